@@ -1,0 +1,147 @@
+"""Input validation shared by every implementation of the GLA / SSE ops.
+
+Every error is a `ValueError` that names the offending argument and its value, so a
+mistake in a user's model surfaces at the call, not as a shape error deep inside XLA.
+Value checks (index ranges, `cu_seqlens` monotonicity) run only on concrete arrays;
+under `jit` the values are unknown and the docstrings of the ops state the contract.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Gate(enum.Enum):
+  """Where the router probability e_t^i multiplies (SPEC section 2, Table 7)."""
+
+  BOTH = "both"    # write: S += e k^T v ; read: o += e q S
+  WRITE = "write"  # only the write
+  READ = "read"    # only the read
+  NONE = "none"    # selected partitions use weight 1
+
+  @property
+  def on_write(self) -> bool:
+    return self in (Gate.BOTH, Gate.WRITE)
+
+  @property
+  def on_read(self) -> bool:
+    return self in (Gate.BOTH, Gate.READ)
+
+
+def parse_enum(enum_cls: type[enum.Enum], value: Any, name: str) -> Any:
+  """Returns `enum_cls(value)`, or raises a ValueError listing the choices."""
+  if isinstance(value, enum_cls):
+    return value
+  try:
+    return enum_cls(value)
+  except ValueError:
+    choices = ", ".join(repr(m.value) for m in enum_cls)
+    raise ValueError(f"{name}={value!r} is not one of {choices}") from None
+
+
+def is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_floating(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+
+
+def check_qkvg(q, k, v, g) -> tuple[int, int, int, int, int]:
+  """Checks q, k, g: [B, T, H, Dk] and v: [B, T, H, Dv]; returns (B, T, H, Dk, Dv)."""
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+    if x.ndim != 4:
+      raise ValueError(
+          f"{name} must have rank 4 [B, T, H, D], got shape {tuple(x.shape)}")
+    check_floating(name, x)
+  if q.shape != k.shape:
+    raise ValueError(
+        f"q and k must have the same shape [B, T, H, Dk], got q {tuple(q.shape)}"
+        f" and k {tuple(k.shape)}")
+  if g.shape != k.shape:
+    raise ValueError(
+        f"g must have the shape of k {tuple(k.shape)}, got {tuple(g.shape)}")
+  if v.shape[:3] != k.shape[:3]:
+    raise ValueError(
+        f"v must share [B, T, H] with k {tuple(k.shape[:3])}, got v {tuple(v.shape)}")
+  b, t, h, dk = k.shape
+  return b, t, h, dk, v.shape[-1]
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, length: int) -> int | None:
+  """Validates packed-sequence boundaries; returns the number of sequences S."""
+  if cu_seqlens is None:
+    return None
+  if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+    raise ValueError(
+        f"cu_seqlens must be a 1-D array [S + 1] with S >= 1, got shape"
+        f" {tuple(cu_seqlens.shape)}")
+  if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+    raise ValueError(f"cu_seqlens must be integer, got dtype {cu_seqlens.dtype}")
+  if batch != 1:
+    raise ValueError(
+        f"cu_seqlens describes packed sequences and needs batch size B == 1, got"
+        f" B={batch}")
+  if is_concrete(cu_seqlens):
+    c = np.asarray(cu_seqlens)
+    if c[0] != 0 or c[-1] != length or np.any(np.diff(c) < 0):
+      raise ValueError(
+          f"cu_seqlens must start at 0, be non-decreasing and end at T={length};"
+          f" got {c.tolist()}")
+  return cu_seqlens.shape[0] - 1
+
+
+def check_routing(weights, indices, batch: int, length: int,
+                  num_partitions: int) -> int:
+  """Checks weights/indices [B, T, K]; returns K (the top-k)."""
+  if not isinstance(num_partitions, (int, np.integer)) or num_partitions < 1:
+    raise ValueError(f"num_partitions must be a positive int, got {num_partitions!r}")
+  if indices.ndim != 3 or indices.shape[:2] != (batch, length):
+    raise ValueError(
+        f"indices must have shape [B, T, K] = [{batch}, {length}, K], got"
+        f" {tuple(indices.shape)}")
+  if weights.shape != indices.shape:
+    raise ValueError(
+        f"weights must have the shape of indices {tuple(indices.shape)}, got"
+        f" {tuple(weights.shape)}")
+  if not jnp.issubdtype(indices.dtype, jnp.integer):
+    raise ValueError(f"indices must be integer partition ids, got dtype {indices.dtype}")
+  check_floating("weights", weights)
+  top_k = indices.shape[-1]
+  if not 1 <= top_k <= num_partitions:
+    raise ValueError(
+        f"top-k K={top_k} (last axis of indices) must be in [1, num_partitions="
+        f"{num_partitions}]")
+  if is_concrete(indices) and indices.size:
+    idx = np.asarray(indices)
+    if idx.min() < 0 or idx.max() >= num_partitions:
+      raise ValueError(
+          f"indices must lie in [0, num_partitions={num_partitions}), got values in"
+          f" [{idx.min()}, {idx.max()}]")
+    if top_k > 1:
+      s = np.sort(idx, axis=-1)
+      if np.any(s[..., 1:] == s[..., :-1]):
+        raise ValueError("indices must be distinct within a token (a partition"
+                         " selected twice by the same token)")
+  return top_k
+
+
+def check_state(name: str, state, expected: tuple[int, ...]) -> None:
+  if state is None:
+    return
+  if tuple(state.shape) != tuple(expected):
+    raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(state.shape)}")
+  check_floating(name, state)
+
+
+def compute_dtype(*arrays) -> jnp.dtype:
+  """float64 when any input is float64 (x64 tests), otherwise float32."""
+  if any(a is not None and a.dtype == jnp.float64 for a in arrays):
+    return jnp.dtype(jnp.float64)
+  return jnp.dtype(jnp.float32)

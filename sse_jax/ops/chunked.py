@@ -1,0 +1,106 @@
+"""Chunkwise-parallel GLA in plain XLA (the building block of every SSE path).
+
+Within a chunk of C tokens, let G_t = sum_{u <= t} g_u be the cumulative log decay
+(relative to the chunk start, so G_t <= 0 and non-increasing). With S the state at the
+chunk start:
+
+  o_t     = q_t exp(G_t) S + sum_{s <= t} (q_t . k_s exp(G_t - G_s)) v_s     (inter + intra)
+  S_next  = exp(G_C) S + sum_s (k_s exp(G_C - G_s))^T v_s
+
+Overflow: factoring exp(G_t - G_s) into q_t exp(G_t) and k_s exp(-G_s) overflows once
+-G_s is large (strong decay), so we never form exp(-G) over a chunk. Instead the chunk is
+split into sub-chunks of L = 16 tokens. A block of (query sub-chunk i, key sub-chunk
+j < i) uses the anchor A_i = G at the first token of sub-chunk i:
+    exp(G_t - G_s) = exp(G_t - A_i) * exp(A_i - G_s),  both factors <= 1,
+and the diagonal blocks (i == j) form exp(G_t - G_s) directly for s <= t. Every
+exponent this module evaluates is <= 0.
+
+The state recurrence across chunks is a `lax.scan` over chunks whose body is only an
+elementwise multiply-add; a chunk may restart the recurrence from a table of initial
+states (`reset`), which is how packed variable-length sequences and the SSE varlen
+segments are handled without any data-dependent shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SUBCHUNK = 16  # L: sub-chunk length of the overflow-safe intra-chunk factorisation.
+
+
+def _exp_masked(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """exp(x) where mask, else 0 -- without ever evaluating exp on masked (possibly
+  positive and huge) entries, so neither the value nor the gradient can overflow."""
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def intra_chunk_scores(q: jax.Array, k: jax.Array, gcum: jax.Array) -> jax.Array:
+  """Causal in-chunk decayed scores A[t, s] = sum_d q_td k_sd exp(G_td - G_sd), s <= t.
+
+  Args: q, k, gcum: [..., C, H, Dk] (gcum = in-chunk cumulative log decay).
+  Returns: A [..., H, C, C] (query position t, key position s).
+  """
+  c = q.shape[-3]
+  ls = min(SUBCHUNK, c)
+  ns = c // ls
+  lead = q.shape[:-3]
+  sub = lambda x: x.reshape(lead + (ns, ls) + x.shape[-2:])  # [..., NS, L, H, Dk]
+  qs, ks, gs = sub(q), sub(k), sub(gcum)
+
+  # Diagonal sub-chunk blocks: exp(G_t - G_s) formed directly, s <= t.
+  tri = jnp.tril(jnp.ones((ls, ls), bool))[:, :, None, None]            # [L, L, 1, 1]
+  diff = gs[..., :, None, :, :] - gs[..., None, :, :, :]                 # [.., NS, L, L, H, Dk]
+  w = _exp_masked(diff, tri)
+  a_diag = jnp.einsum("...ilhd,...imhd,...ilmhd->...hilm", qs, ks, w)    # [.., H, NS, L, L]
+
+  # Off-diagonal blocks (key sub-chunk j < query sub-chunk i), anchored at A_i.
+  anchor = gs[..., :, 0, :, :]                                           # [.., NS, H, Dk]
+  q_tilde = qs * jnp.exp(gs - anchor[..., :, None, :, :])                # <= 1 factors
+  pos = jnp.arange(c)
+  before = (pos[None, :] < (jnp.arange(ns) * ls)[:, None])[:, :, None, None]  # [NS, C, 1, 1]
+  k_tilde = k[..., None, :, :, :] * _exp_masked(
+      anchor[..., :, None, :, :] - gcum[..., None, :, :, :], before)     # [.., NS, C, H, Dk]
+  a_off = jnp.einsum("...ilhd,...ishd->...hils", q_tilde, k_tilde)       # [.., H, NS, L, C]
+
+  eye = jnp.eye(ns, dtype=a_diag.dtype)
+  a_diag_full = jnp.einsum("...ilm,ij->...iljm", a_diag, eye)            # [.., H, NS, L, NS, L]
+  a = a_off + a_diag_full.reshape(a_off.shape)
+  return a.reshape(lead + (q.shape[-2], c, c))
+
+
+def chunk_gla(q, k, v, g, h0, reset, h0_index):
+  """Chunked GLA over pre-chunked inputs with optional recurrence restarts.
+
+  Args:
+    q, k, g: [B, NC, C, H, Dk] (q already scaled; compute dtype); v: [B, NC, C, H, Dv].
+    h0: [Z, H, Dk, Dv] table of initial states.
+    reset: bool [B, NC]: the chunk starts a new segment, whose state is h0[h0_index].
+      Chunk 0 of every row must reset.
+    h0_index: int [B, NC].
+  Returns:
+    o [B, NC, C, H, Dv]; states at every chunk end [B, NC, H, Dk, Dv].
+  """
+  gcum = jnp.cumsum(g, axis=2)
+  g_last = gcum[:, :, -1]                                                # [B, NC, H, Dk]
+  # Local state contribution of each chunk, with exp(G_C - G_s) <= 1.
+  k_end = k * jnp.exp(g_last[:, :, None] - gcum)
+  delta = jnp.einsum("bnchk,bnchv->bnhkv", k_end, v)
+  decay = jnp.exp(g_last)
+
+  def step(h, x):
+    dec, dlt, rst, idx = x
+    h = jnp.where(rst[:, None, None, None], h0[idx], h)
+    return dec[..., None] * h + dlt, h
+
+  xs = (jnp.swapaxes(decay, 0, 1), jnp.swapaxes(delta, 0, 1),
+        jnp.swapaxes(reset, 0, 1), jnp.swapaxes(h0_index, 0, 1))
+  h_init = jnp.zeros(delta.shape[:1] + delta.shape[2:], delta.dtype)
+  _, h_start = jax.lax.scan(step, h_init, xs)
+  h_start = jnp.swapaxes(h_start, 0, 1)                                  # [B, NC, H, Dk, Dv]
+  h_end = decay[..., None] * h_start + delta
+
+  o_inter = jnp.einsum("bnchk,bnhkv->bnchv", q * jnp.exp(gcum), h_start)
+  scores = intra_chunk_scores(q, k, gcum)                                # [B, NC, H, C, C]
+  o_intra = jnp.einsum("bnhts,bnshv->bnthv", scores, v)
+  return o_inter + o_intra, h_end

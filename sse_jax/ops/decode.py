@@ -1,0 +1,91 @@
+"""One-token decoding steps: O(K Dk Dv) per head, touching only the selected states.
+
+Continue from the `final_state` of a prefill call (`output_final_state=True`) to
+reproduce, token by token, the outputs of one full-sequence call.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sse_jax.ops import checks
+from sse_jax.ops import sse as sse_lib
+from sse_jax.ops.checks import Gate
+
+
+def _check_step(q, k, v, g):
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+    if x.ndim != 3:
+      raise ValueError(f"{name} must have rank 3 [B, H, D] (one token), got shape"
+                       f" {tuple(x.shape)}")
+    checks.check_floating(name, x)
+  if q.shape != k.shape or g.shape != k.shape or v.shape[:2] != k.shape[:2]:
+    raise ValueError(f"mismatched step shapes: q {tuple(q.shape)}, k {tuple(k.shape)},"
+                     f" v {tuple(v.shape)}, g {tuple(g.shape)}")
+  return k.shape + (v.shape[-1],)
+
+
+def _write(k, v, g, state):
+  """state' = diag(exp g) state + k^T v, on any leading axes."""
+  return jnp.exp(g)[..., None] * state + k[..., None] * v[..., None, :]
+
+
+def _gla_update(q, k, v, g, state):
+  """One GLA step: (o = q state', state')."""
+  state = _write(k, v, g, state)
+  return jnp.einsum("...k,...kv->...v", q, state), state
+
+
+def gla_decode_step(q, k, v, g, state, *, scale=None):
+  """One GLA step. q, k, g: [B, H, Dk]; v: [B, H, Dv]; state: [B, H, Dk, Dv].
+
+  Returns (o [B, H, Dv] in v's dtype, new state in the state's dtype).
+  """
+  b, h, dk, dv = _check_step(q, k, v, g)
+  checks.check_state("state", state, (b, h, dk, dv))
+  scale = dk ** -0.5 if scale is None else scale
+  dt = state.dtype
+  o, state = _gla_update(q.astype(dt) * scale, k.astype(dt), v.astype(dt),
+                         g.astype(dt), state)
+  return o.astype(v.dtype), state
+
+
+def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="both",
+                    shared=None):
+  """One SSE step that reads and writes only the K selected partitions.
+
+  Args:
+    q, k, g: [B, H, Dk]; v: [B, H, Dv]; weights: float [B, K]; indices: int [B, K].
+    state: [B, N, H, Dk, Dv]; with `shared=(q', k', g')` ([B, H, Dk] each) a tuple
+      (routed [B, N, H, Dk, Dv], shared [B, H, Dk, Dv]).
+  Returns:
+    (o [B, H, Dv] in v's dtype, new state shaped like `state`).
+  """
+  b, h, dk, dv = _check_step(q, k, v, g)
+  gate = checks.parse_enum(Gate, gate, "gate")
+  routed, state0 = (state if shared is not None else (state, None))
+  if routed.ndim != 5:
+    raise ValueError(f"state must have shape [B, N, H, Dk, Dv], got {tuple(routed.shape)}")
+  n = routed.shape[1]
+  checks.check_state("state", routed, (b, n, h, dk, dv))
+  if indices.ndim != 2 or indices.shape[0] != b or weights.shape != indices.shape:
+    raise ValueError(f"weights and indices must both be [B={b}, K], got"
+                     f" {tuple(weights.shape)} and {tuple(indices.shape)}")
+  checks.check_routing(weights[:, None], indices[:, None], b, 1, n)
+  scale = dk ** -0.5 if scale is None else scale
+  dt = routed.dtype
+  q, k, v, g = (x.astype(dt) for x in (q, k, v, g))
+  ww, rw = sse_lib.gate_weights(weights.astype(dt), gate)
+
+  rows = jnp.arange(b)[:, None]
+  picked = routed[rows, indices]                                  # [B, K, H, Dk, Dv]
+  kw = k[:, None] * ww[:, :, None, None]
+  picked = _write(kw, v[:, None], g[:, None], picked)
+  o = jnp.einsum("bhk,bjhkv,bj->bhv", q * scale, picked, rw)
+  routed = routed.at[rows, indices].set(picked)
+  if shared is None:
+    return o.astype(v.dtype), routed
+  checks.check_state("state (shared)", state0, (b, h, dk, dv))
+  q0, k0, g0 = (x.astype(dt) for x in shared)
+  o0, state0 = _gla_update(q0 * scale, k0, v, g0, state0)
+  return (o + o0).astype(v.dtype), (routed, state0)

@@ -1,0 +1,132 @@
+"""Gated linear attention: `gla(q, k, v, g)` and its chunked building blocks.
+
+    S_t = diag(exp g_t) S_{t-1} + k_t^T v_t,   o_t = (scale q_t) S_t,   g_t <= 0.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from sse_jax.ops import checks
+from sse_jax.ops import chunked
+from sse_jax.ops import packing
+from sse_jax.ops import reference
+from sse_jax.ops.impl import GLA_IMPLS, Impl
+
+DEFAULT_CHUNK = 64
+
+# A chunk core maps pre-chunked inputs to (o, chunk-end states); see chunked.chunk_gla.
+ChunkCore = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def parse_impl(impl, allowed: tuple[Impl, ...], op: str) -> Impl:
+  impl = checks.parse_enum(Impl, impl, "impl")
+  if impl not in allowed:
+    names = ", ".join(repr(i.value) for i in allowed)
+    raise ValueError(f"impl={impl.value!r} is not available for {op}; choose one of {names}")
+  return impl
+
+
+def check_chunk_size(chunk_size: int) -> None:
+  if (not isinstance(chunk_size, int) or chunk_size < chunked.SUBCHUNK
+      or chunk_size % chunked.SUBCHUNK):
+    raise ValueError(
+        f"chunk_size={chunk_size!r} must be a positive multiple of {chunked.SUBCHUNK}")
+
+
+def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chunk_gla):
+  """Chunked GLA on a batch of equal-length sequences.
+
+  q, k, g: [B, T, H, Dk]; v: [B, T, H, Dv]; h0: [B, H, Dk, Dv]. T is padded up to a
+  multiple of C with q = k = g = 0 rows, which leave the state untouched, so the state
+  after the padding is the state at T.
+  """
+  b, t = q.shape[:2]
+  nc = -(-t // chunk_size)
+  pad = nc * chunk_size - t
+
+  def chunk(x):
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return x.reshape((b, nc, chunk_size) + x.shape[2:])
+
+  reset = jnp.zeros((b, nc), bool).at[:, 0].set(True)
+  h0_index = jnp.broadcast_to(jnp.arange(b)[:, None], (b, nc))
+  o, h_end = core(chunk(q), chunk(k), chunk(v), chunk(g), h0, reset, h0_index)
+  return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], h_end[:, -1]
+
+
+def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
+                   core: ChunkCore = chunked.chunk_gla):
+  """Chunked GLA over slots grouped into segments (see `packing`).
+
+  q, k, g: [P, H, Dk]; v: [P, H, Dv], in time order within each segment;
+  slot_segment: int [P]; h0: [Z, H, Dk, Dv] per-segment initial states.
+  Returns o [P, H, Dv] and per-segment final states [Z, H, Dk, Dv] (an empty segment
+  keeps its initial state).
+  """
+  p = q.shape[0]
+  z = h0.shape[0]
+  nc = packing.max_chunks(p, z, chunk_size)
+  layout = packing.chunk_layout(slot_segment, z, chunk_size, nc)
+
+  def to_buffer(x):
+    x = packing.scatter_rows(x, layout.rows, nc * chunk_size)
+    return x.reshape((1, nc, chunk_size) + x.shape[1:])
+
+  h0_table = jnp.concatenate([h0, jnp.zeros((1,) + h0.shape[1:], h0.dtype)])
+  o, h_end = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0_table,
+                  layout.reset[None], layout.h0_index[None])
+  o = o.reshape((nc * chunk_size,) + o.shape[3:])[layout.rows]
+  final = jnp.where((layout.seg_len > 0)[:, None, None, None],
+                    h_end[0, layout.last_chunk], h0)
+  return o, final
+
+
+def chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size: int,
+                core: ChunkCore = chunked.chunk_gla):
+  """Dispatches to the dense or packed chunked path (inputs in compute dtype)."""
+  if cu_seqlens is None:
+    return dense_chunked(q, k, v, g, h0, chunk_size, core)
+  seq, _ = reference.sequence_ids(cu_seqlens, q.shape[1])
+  o, final = packed_chunked(q[0], k[0], v[0], g[0], seq, h0, chunk_size, core)
+  return o[None], final
+
+
+def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, impl="chunk", chunk_size: int = DEFAULT_CHUNK):
+  """Gated linear attention.
+
+  Args:
+    q, k, g: [B, T, H, Dk]; g is the log decay (<= 0); v: [B, T, H, Dv].
+    scale: multiplies q; defaults to Dk ** -0.5.
+    initial_state: [B, H, Dk, Dv], or [S, H, Dk, Dv] with `cu_seqlens`.
+    output_final_state: also return the final state(s).
+    cu_seqlens: int32 [S + 1] boundaries of S sequences packed along T (needs B == 1);
+      no information crosses a boundary.
+    impl: "chunk" (default) or "scan" (reference).
+    chunk_size: C, a multiple of 16.
+  Returns:
+    (o [B, T, H, Dv] in v's dtype, final_state or None). States are float32, or
+    float64 when the inputs are float64.
+  """
+  b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
+  impl = parse_impl(impl, GLA_IMPLS, "gla")
+  check_chunk_size(chunk_size)
+  nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
+  nstate = b if nseq is None else nseq
+  checks.check_state("initial_state", initial_state, (nstate, h, dk, dv))
+  dtype = checks.compute_dtype(q, k, v, g, initial_state)
+  scale = dk ** -0.5 if scale is None else scale
+  out_dtype = v.dtype
+  q, k, v, g = (x.astype(dtype) for x in (q, k, v, g))
+  q = q * scale
+  h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
+        else initial_state.astype(dtype))
+  if impl is Impl.SCAN:
+    o, final = reference.gla_scan(q, k, v, g, h0, cu_seqlens)
+  else:
+    o, final = chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size)
+  return o.astype(out_dtype), (final if output_final_state else None)

@@ -1,0 +1,214 @@
+"""Sparse State Expansion: `sse(q, k, v, g, weights, indices)` (SPEC section 1).
+
+N routed partitions share q, k, v, g. At each token the router selects K partitions
+(`indices`, with probabilities `weights`, not renormalised); only those are decayed
+and written, and only those are read:
+
+  S_t^i = diag(exp g_t) S_{t-1}^i + w_t^i k_t^T v_t     i selected at t
+  S_t^i = S_{t-1}^i                                     otherwise (its clock stops)
+  o_t   = sum_{i selected} r_t^i (scale q_t) S_t^i  [+ (scale q'_t) S'_t, shared]
+
+with (w, r) = (e, e) for gate "both", (e, 1) "write", (1, e) "read", (1, 1) "none".
+An optional always-on shared partition S' (a plain GLA state with its own q', k', g',
+sharing v) can be passed as `shared=(q', k', g')`, so that the masking and varlen paths
+process it in the same chunked call as the routed partitions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sse_jax.ops import checks
+from sse_jax.ops import chunked
+from sse_jax.ops import gla as gla_lib
+from sse_jax.ops import reference
+from sse_jax.ops.checks import Gate
+from sse_jax.ops.impl import SSE_IMPLS, Impl
+
+
+def gate_weights(weights, gate: Gate):
+  """(write, read) multipliers [B, T, K] of the selected partitions."""
+  ones = jnp.ones_like(weights)
+  return (weights if gate.on_write else ones), (weights if gate.on_read else ones)
+
+
+def dense_routing(indices, write_w, read_w, num_partitions: int):
+  """Per-partition view of the routing: selected, write, read, each [B, T, N]."""
+  onehot = indices[..., None] == jnp.arange(num_partitions)          # [B, T, K, N]
+  selected = jnp.any(onehot, axis=-2)
+  spread = lambda w: jnp.sum(jnp.where(onehot, w[..., None], 0), axis=-2)
+  return selected, spread(write_w), spread(read_w)
+
+
+def masked_partitions(q, k, g, write_w, read_w, indices, num_partitions: int):
+  """Per-partition copies [B, T, N, H, Dk] with unselected tokens made identities.
+
+  For (t, i) not selected: k = 0 (no write), q = 0 (no read) and g = 0: identity
+  decay, the crucial detail -- zeroing k alone would still decay S^i.
+  """
+  selected, ww, rw = dense_routing(indices, write_w, read_w, num_partitions)
+  col = lambda w: w[..., None, None]
+  qm = q[:, :, None] * col(jnp.where(selected, rw, 0))
+  km = k[:, :, None] * col(jnp.where(selected, ww, 0))
+  gm = g[:, :, None] * col(selected.astype(g.dtype))
+  return qm, km, gm
+
+
+def _scan(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens):
+  selected, wd, rd = dense_routing(indices, ww, rw, n)
+  o, final = reference.sse_scan(q, k, v, g, wd, rd, selected, h0, cu_seqlens)
+  if shared is None:
+    return o, final, None
+  o0, final0 = reference.gla_scan(*shared[:2], v, shared[2], h0_shared, cu_seqlens)
+  return o + o0, final, final0
+
+
+def _loop(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, c):
+  qm, km, gm = masked_partitions(q, k, g, ww, rw, indices, n)
+  outs, finals = [], []
+  for i in range(n):
+    o_i, f_i = gla_lib.chunked_gla(qm[:, :, i], km[:, :, i], v, gm[:, :, i],
+                                   h0[:, i], cu_seqlens, c)
+    outs.append(o_i)
+    finals.append(f_i)
+  o, final, final0 = sum(outs), jnp.stack(finals, axis=1), None
+  if shared is not None:
+    o0, final0 = gla_lib.chunked_gla(shared[0], shared[1], v, shared[2], h0_shared,
+                                     cu_seqlens, c)
+    o = o + o0
+  return o, final, final0
+
+
+def _masking(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, c,
+             core=None):
+  """Fold the N (+1 shared) partitions into the head axis: one chunked call."""
+  core = core or chunked.chunk_gla
+  qm, km, gm = masked_partitions(q, k, g, ww, rw, indices, n)
+  if shared is not None:
+    qm, km, gm = (jnp.concatenate([x, s[:, :, None]], axis=2)
+                  for x, s in zip((qm, km, gm), shared))
+    h0 = jnp.concatenate([h0, h0_shared[:, None]], axis=1)
+  b, t, p, h, dk = qm.shape
+  fold = lambda x: x.reshape(b, t, p * h, x.shape[-1])
+  vm = jnp.broadcast_to(v[:, :, None], (b, t, p, h, v.shape[-1]))
+  o, final = gla_lib.chunked_gla(fold(qm), fold(km), fold(vm), fold(gm),
+                                 h0.reshape((-1, p * h) + h0.shape[3:]), cu_seqlens, c,
+                                 core)
+  o = o.reshape(b, t, p, h, -1).sum(axis=2)
+  final = final.reshape((-1, p, h) + final.shape[2:])
+  if shared is None:
+    return o, final, None
+  return o, final[:, :n], final[:, n]
+
+
+def _varlen(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, c,
+            core=None):
+  """Gather tokens per (sequence, partition) segment, one packed chunked call."""
+  core = core or chunked.chunk_gla
+  b, t, h, dk = q.shape
+  top_k = indices.shape[-1]
+  flat = lambda x: x.reshape((b * t,) + x.shape[2:])
+  if cu_seqlens is None:
+    seq = jnp.repeat(jnp.arange(b), t)
+  else:
+    seq, _ = reference.sequence_ids(cu_seqlens, t)
+  nseq = h0.shape[0]
+  # Routed slots, token-major (slot = token * K + j), so a stable sort by segment
+  # keeps time order inside each (sequence, partition) segment.
+  seg = (seq[:, None] * n + flat(indices)).reshape(-1)
+  rep = lambda x: jnp.repeat(flat(x), top_k, axis=0)
+  col = lambda w: flat(w).reshape(-1)[:, None, None]
+  q_s, k_s, v_s, g_s = rep(q) * col(rw), rep(k) * col(ww), rep(v), rep(g)
+  h0_table = h0.reshape((nseq * n,) + h0.shape[2:])
+  if shared is not None:
+    seg = jnp.concatenate([seg, nseq * n + seq])
+    q_s, k_s, g_s = (jnp.concatenate([x, flat(s)]) for x, s in zip((q_s, k_s, g_s), shared))
+    v_s = jnp.concatenate([v_s, flat(v)])
+    h0_table = jnp.concatenate([h0_table, h0_shared])
+  o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core)
+  routed = b * t * top_k
+  o = o_s[:routed].reshape(b * t, top_k, h, -1).sum(axis=1)
+  final = finals[:nseq * n].reshape(h0.shape)
+  final0 = None
+  if shared is not None:
+    o = o + o_s[routed:]
+    final0 = finals[nseq * n:]
+  return o.reshape(b, t, h, -1), final, final0
+
+
+_IMPLS = {Impl.SCAN: _scan, Impl.LOOP: _loop, Impl.MASKING: _masking,
+          Impl.VARLEN: _varlen}
+
+
+def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both",
+        initial_state=None, output_final_state=False, cu_seqlens=None, impl="varlen",
+        shared=None, chunk_size: int = gla_lib.DEFAULT_CHUNK):
+  """Sparse State Expansion over N routed partitions (module docstring).
+
+  Args:
+    q, k, g: [B, T, H, Dk]; g is the log decay (<= 0); v: [B, T, H, Dv].
+    weights: float [B, T, K], router probabilities e_t^i of the selected partitions
+      (shared by all heads). Gradients flow into them through the gates.
+    indices: int [B, T, K], distinct partition ids in [0, num_partitions) per token
+      (checked on concrete inputs; under jit that is the caller's contract).
+    num_partitions: N (static).
+    scale: multiplies q (and the shared q'); defaults to Dk ** -0.5.
+    gate: "both" | "write" | "read" | "none".
+    initial_state: [B, N, H, Dk, Dv] ([S, ...] with cu_seqlens); with `shared`, a tuple
+      (routed or None, shared [B | S, H, Dk, Dv] or None).
+    output_final_state: also return the final state(s), shaped like initial_state.
+    cu_seqlens: int32 [S + 1], packed sequences along T (B == 1).
+    impl: "varlen" (default), "masking", "loop" or "scan" (reference).
+    shared: optional (q', k', g'), each [B, T, H, Dk]: an always-on GLA partition
+      sharing v, with weight 1.
+    chunk_size: C, a multiple of 16.
+  Returns:
+    (o [B, T, H, Dv] in v's dtype, final_state or None).
+  """
+  b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
+  impl = gla_lib.parse_impl(impl, SSE_IMPLS, "sse")
+  gate = checks.parse_enum(Gate, gate, "gate")
+  gla_lib.check_chunk_size(chunk_size)
+  checks.check_routing(weights, indices, b, t, num_partitions)
+  nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
+  nstate = b if nseq is None else nseq
+  h0, h0_shared = initial_state, None
+  if shared is not None:
+    if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
+      raise ValueError("shared must be a tuple (q', k', g') of [B, T, H, Dk] arrays")
+    for name, x in zip(("shared q'", "shared k'", "shared g'"), shared):
+      if tuple(x.shape) != tuple(k.shape):
+        raise ValueError(f"{name} must have the shape of k {tuple(k.shape)}, got"
+                         f" {tuple(x.shape)}")
+      checks.check_floating(name, x)
+    if initial_state is not None:
+      if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
+        raise ValueError("with shared, initial_state must be a tuple (routed, shared)")
+      h0, h0_shared = initial_state
+  checks.check_state("initial_state", h0, (nstate, num_partitions, h, dk, dv))
+  checks.check_state("initial_state (shared)", h0_shared, (nstate, h, dk, dv))
+
+  dtype = checks.compute_dtype(q, k, v, g, weights, h0, h0_shared,
+                               *(shared if shared is not None else ()))
+  scale = dk ** -0.5 if scale is None else scale
+  out_dtype = v.dtype
+  q, k, v, g = (x.astype(dtype) for x in (q, k, v, g))
+  q = q * scale
+  h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
+        else h0.astype(dtype))
+  if shared is not None:
+    q0, k0, g0 = (x.astype(dtype) for x in shared)
+    shared = (q0 * scale, k0, g0)
+    h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
+                 else h0_shared.astype(dtype))
+  ww, rw = gate_weights(weights.astype(dtype), gate)
+
+  args = (q, k, v, g, ww, rw, indices, num_partitions, h0, shared, h0_shared, cu_seqlens)
+  if impl is Impl.SCAN:
+    o, final, final0 = _scan(*args)
+  else:
+    o, final, final0 = _IMPLS[impl](*args, chunk_size)
+  if not output_final_state:
+    return o.astype(out_dtype), None
+  return o.astype(out_dtype), (final if shared is None else (final, final0))
