@@ -1,0 +1,127 @@
+"""gla: every implementation against the lax.scan reference, forward and gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sse_jax import ops
+from tests.op_testing import assert_close, random_qkvg, x64
+
+F64_TOL = 1e-6   # float64: the chunked factorisation is exact up to rounding
+BF16_TOL = 1e-2  # bf16 inputs and outputs, float32 accumulation
+
+CASES = [
+    # (B, T, H, Dk, Dv, cu_seqlens, with_h0)
+    (2, 150, 2, 16, 8, None, False),         # T not a multiple of C, 3 chunks
+    (1, 37, 2, 16, 16, None, True),          # T < C, initial state
+    (3, 64, 1, 16, 8, None, True),           # exactly one chunk
+    (1, 200, 2, 16, 8, (0, 5, 5, 70, 130, 200), True),  # ragged, empty sequence,
+                                                         # boundaries inside chunks
+]
+
+
+def _loss_fn(impl, cu, with_h0, cot_o, cot_f):
+  """A scalar of outputs and final state, so that jax.grad checks every gradient."""
+
+  def loss(q, k, v, g, h0):
+    o, f = ops.gla(q, k, v, g, initial_state=h0 if with_h0 else None,
+                   output_final_state=True, cu_seqlens=cu, impl=impl)
+    return jnp.sum(o * cot_o) + jnp.sum(f * cot_f), (o, f)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}cu{c[5] is not None}")
+def test_chunk_matches_scan_float64(case):
+  b, t, h, dk, dv, cu, with_h0 = case
+  with x64():
+    key = jax.random.PRNGKey(0)
+    x = random_qkvg(key, b, t, h, dk, dv, jnp.float64)
+    cu_arr = None if cu is None else jnp.asarray(cu, jnp.int32)
+    s = b if cu is None else len(cu) - 1
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    h0 = jax.random.normal(ks[0], (s, h, dk, dv), jnp.float64)
+    cot_o = jax.random.normal(ks[1], (b, t, h, dv), jnp.float64)
+    cot_f = jax.random.normal(ks[2], (s, h, dk, dv), jnp.float64)
+    (_, (o_ref, f_ref)), g_ref = _loss_fn("scan", cu_arr, with_h0, cot_o, cot_f)(*x, h0)
+    (_, (o, f)), grads = _loss_fn("chunk", cu_arr, with_h0, cot_o, cot_f)(*x, h0)
+    assert o.dtype == jnp.float64 and f.dtype == jnp.float64
+    assert_close(o, o_ref, F64_TOL, "o")
+    assert_close(f, f_ref, F64_TOL, "final_state")
+    names = ("dq", "dk", "dv", "dg", "dh0")
+    for name, a, r in zip(names, grads, g_ref):
+      if name == "dh0" and not with_h0:
+        continue
+      assert_close(a, r, F64_TOL, name)
+
+
+def test_chunk_bf16_close_to_float32_scan():
+  x = random_qkvg(jax.random.PRNGKey(3), 2, 130, 2, 32, 32, jnp.bfloat16)
+  o, f = jax.jit(functools.partial(ops.gla, output_final_state=True))(*x)
+  assert o.dtype == jnp.bfloat16 and f.dtype == jnp.float32
+  x32 = [a.astype(jnp.float32) for a in x]
+  o_ref, f_ref = ops.gla(*x32, impl="scan", output_final_state=True)
+  assert_close(o, o_ref, BF16_TOL, "o")
+  assert_close(f, f_ref, 1e-5, "final_state")
+
+
+def test_strong_decay_does_not_overflow():
+  """g = -60 per step: exp(-cumsum) over a chunk would be exp(3840) = inf in float32."""
+  x = random_qkvg(jax.random.PRNGKey(4), 1, 128, 1, 16, 16)
+  g = jnp.full_like(x.g, -60.0).at[:, ::7].set(0.0)
+  grad = jax.jit(jax.grad(lambda q, k, v, g: ops.gla(q, k, v, g)[0].sum(), (0, 1, 2, 3)))
+  o_ref, _ = ops.gla(x.q, x.k, x.v, g, impl="scan")
+  o, _ = jax.jit(ops.gla)(x.q, x.k, x.v, g)
+  assert_close(o, o_ref, 1e-5, "o")
+  for d in grad(x.q, x.k, x.v, g):
+    assert np.all(np.isfinite(np.asarray(d)))
+
+
+def test_decode_steps_continue_prefill():
+  with x64():
+    b, t, t0, h, dk, dv = 2, 90, 70, 2, 16, 8
+    x = random_qkvg(jax.random.PRNGKey(5), b, t, h, dk, dv, jnp.float64)
+    run = jax.jit(functools.partial(ops.gla, output_final_state=True))
+    o_full, _ = run(*x)
+    _, state = run(*(a[:, :t0] for a in x))
+    step = jax.jit(ops.gla_decode_step)
+    outs = []
+    for i in range(t0, t):
+      o_i, state = step(*(a[:, i] for a in x), state)
+      outs.append(o_i)
+    assert_close(jnp.stack(outs, 1), o_full[:, t0:], F64_TOL, "decode")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(q=jnp.zeros((2, 8, 2))), "q must have rank 4"),
+    (dict(k=jnp.zeros((2, 8, 2, 4))), "q and k must have the same shape"),
+    (dict(g=jnp.zeros((2, 8, 2, 4))), "g must have the shape of k"),
+    (dict(v=jnp.zeros((2, 9, 2, 8))), "v must share"),
+    (dict(impl="fast"), "impl='fast' is not one of"),
+    (dict(impl="varlen"), "impl='varlen' is not available for gla"),
+    (dict(cu_seqlens=jnp.array([0, 8], jnp.int32)), "needs batch size B == 1, got B=2"),
+    (dict(initial_state=jnp.zeros((2, 2, 8, 8))), r"initial_state must have shape \(2, 2, 8, 4\), got \(2, 2, 8, 8\)"),
+    (dict(chunk_size=24), "chunk_size=24"),
+    (dict(q=jnp.zeros((2, 8, 2, 8), jnp.int32)), "q must be a floating-point array"),
+])
+def test_bad_inputs_raise(bad, match):
+  args = dict(q=jnp.zeros((2, 8, 2, 8)), k=jnp.zeros((2, 8, 2, 8)),
+              v=jnp.zeros((2, 8, 2, 4)), g=jnp.zeros((2, 8, 2, 8)))
+  kwargs = {}
+  for name, value in bad.items():
+    (args if name in args else kwargs)[name] = value
+  with pytest.raises(ValueError, match=match):
+    ops.gla(**args, **kwargs)
+
+
+def test_bad_cu_seqlens_values_raise():
+  x = random_qkvg(jax.random.PRNGKey(0), 1, 10, 1, 16, 16)
+  with pytest.raises(ValueError, match="end at T=10"):
+    ops.gla(*x, cu_seqlens=jnp.array([0, 4, 9], jnp.int32))
+  with pytest.raises(ValueError, match="non-decreasing"):
+    ops.gla(*x, cu_seqlens=jnp.array([0, 6, 4, 10], jnp.int32))

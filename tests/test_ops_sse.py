@@ -1,0 +1,213 @@
+"""sse: loop / masking / varlen against the lax.scan reference, forward and gradients."""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sse_jax import ops
+from tests.op_testing import assert_close, random_qkvg, random_routing, x64
+
+F64_TOL = 1e-6
+BF16_TOL = 1e-2
+IMPLS = ("loop", "masking", "varlen")
+
+
+class Case(NamedTuple):
+  b: int
+  t: int
+  n: int
+  top_k: int
+  gate: str
+  shared: bool
+  with_h0: bool
+  cu: tuple | None = None
+  routing: str = "random"
+  h: int = 2
+  dk: int = 16
+  dv: int = 8
+
+
+CASES = {
+    "T150_N4_K1_both_shared": Case(2, 150, 4, 1, "both", True, True),
+    "T37_lt_chunk_K2_write": Case(1, 37, 4, 2, "write", False, True),
+    "K_eq_N_read_shared": Case(2, 80, 3, 3, "read", True, False),
+    "ragged_cu_K2_none": Case(1, 200, 4, 2, "none", True, True,
+                              cu=(0, 5, 5, 70, 130, 200)),
+    "all_tokens_one_partition": Case(2, 100, 4, 1, "both", False, True, routing="one"),
+    "N1_K1": Case(1, 70, 1, 1, "both", True, False),
+}
+
+
+def _make(case: Case, dtype):
+  keys = jax.random.split(jax.random.PRNGKey(zlib.crc32(repr(case).encode())), 8)
+  s = case.b if case.cu is None else len(case.cu) - 1
+  x = random_qkvg(keys[0], case.b, case.t, case.h, case.dk, case.dv, dtype)
+  w, idx = random_routing(keys[1], case.b, case.t, case.n, case.top_k, dtype,
+                          case.routing)
+  shared = tuple(random_qkvg(keys[2], case.b, case.t, case.h, case.dk, case.dk,
+                             dtype))[:2] + (0.5 * x.g,)
+  h0 = jax.random.normal(keys[3], (s, case.n, case.h, case.dk, case.dv), dtype)
+  h0s = jax.random.normal(keys[4], (s, case.h, case.dk, case.dv), dtype)
+  cot_o = jax.random.normal(keys[5], (case.b, case.t, case.h, case.dv), dtype)
+  cot_f = jax.random.normal(keys[6], h0.shape, dtype)
+  cot_fs = jax.random.normal(keys[7], h0s.shape, dtype)
+  return x, w, idx, shared, (h0, h0s), (cot_o, cot_f, cot_fs)
+
+
+def _value_and_grads(case: Case, impl: str):
+  cu = None if case.cu is None else jnp.asarray(case.cu, jnp.int32)
+
+  def loss(q, k, v, g, w, shared, h0, idx, cots):
+    h0_arg = (h0 if case.shared else h0[0]) if case.with_h0 else None
+    o, f = ops.sse(q, k, v, g, w, idx, num_partitions=case.n, gate=case.gate,
+                   initial_state=h0_arg, output_final_state=True, cu_seqlens=cu,
+                   impl=impl, shared=shared if case.shared else None)
+    f_routed, f_shared = f if case.shared else (f, jnp.zeros_like(cots[2]))
+    val = (jnp.sum(o * cots[0]) + jnp.sum(f_routed * cots[1])
+           + jnp.sum(f_shared * cots[2]))
+    return val, (o, f_routed, f_shared)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6), has_aux=True))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_impls_match_scan_float64(name):
+  case = CASES[name]
+  with x64():
+    x, w, idx, shared, h0, cots = _make(case, jnp.float64)
+    (_, ref_out), ref_grads = _value_and_grads(case, "scan")(*x, w, shared, h0, idx, cots)
+    for impl in IMPLS:
+      (_, out), grads = _value_and_grads(case, impl)(*x, w, shared, h0, idx, cots)
+      for what, a, r in zip(("o", "final", "final_shared"), out, ref_out):
+        assert_close(a, r, F64_TOL, f"{impl} {what}")
+      flat = lambda t: jax.tree_util.tree_leaves(t)
+      names = ["dq", "dk", "dv", "dg", "dweights", "dq'", "dk'", "dg'", "dh0", "dh0'"]
+      for gname, a, r in zip(names, flat(grads), flat(ref_grads)):
+        assert_close(a, r, F64_TOL, f"{impl} {gname}")
+
+
+@pytest.mark.parametrize("impl", ("scan",) + IMPLS)
+def test_unselected_partition_keeps_its_state_exactly(impl):
+  """Partition N-1 is never selected: its final state is bitwise the initial state
+  (a masked token must not decay it) and its gradient passes straight through."""
+  case = Case(1, 100, 4, 2, "both", True, True, cu=(0, 33, 100), routing="skip_last")
+  x, w, idx, shared, (h0, h0s), _ = _make(case, jnp.float32)
+  assert not np.any(np.asarray(idx) == case.n - 1)
+  fn = jax.jit(functools.partial(
+      ops.sse, num_partitions=case.n, output_final_state=True, impl=impl,
+      cu_seqlens=jnp.asarray(case.cu, jnp.int32)))
+  _, (final, _) = fn(*x, w, idx, initial_state=(h0, h0s), shared=shared)
+  np.testing.assert_array_equal(np.asarray(final[:, -1]), np.asarray(h0[:, -1]))
+  assert not np.allclose(np.asarray(final[:, 0]), np.asarray(h0[:, 0]))
+  dh0 = jax.grad(lambda h: jnp.sum(fn(*x, w, idx, initial_state=(h, h0s),
+                                      shared=shared)[1][0]))(h0)
+  np.testing.assert_array_equal(np.asarray(dh0[:, -1]), np.ones_like(h0[:, -1]))
+
+
+@pytest.mark.parametrize("impl", ("masking", "varlen"))
+def test_bf16_close_to_float32_scan(impl):
+  case = Case(2, 130, 4, 2, "both", True, False, h=2, dk=32, dv=32)
+  x, w, idx, shared, _, _ = _make(case, jnp.bfloat16)
+  fn = lambda im, *a: ops.sse(*a[:6], num_partitions=case.n, impl=im, shared=a[6],
+                              output_final_state=True)
+  o, (f, fs) = jax.jit(functools.partial(fn, impl))(*x, w, idx, shared)
+  assert o.dtype == jnp.bfloat16 and f.dtype == jnp.float32
+  up = lambda t: jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), t)
+  o_ref, (f_ref, fs_ref) = jax.jit(functools.partial(fn, "scan"))(
+      *up(tuple(x)), up(w), idx, up(shared))
+  assert_close(o, o_ref, BF16_TOL, "o")
+  assert_close(f, f_ref, 1e-5, "final")
+  assert_close(fs, fs_ref, 1e-5, "final shared")
+
+
+@pytest.mark.parametrize("shared", (False, True))
+def test_decode_steps_continue_prefill(shared):
+  """Prefill (varlen) then sse_decode_step token by token == one full call."""
+  with x64():
+    case = Case(2, 90, 4, 2, "both", shared, False)
+    x, w, idx, sh, _, _ = _make(case, jnp.float64)
+    t0 = 70
+    sh_arg = sh if shared else None
+    run = jax.jit(functools.partial(ops.sse, num_partitions=4, output_final_state=True))
+    o_full, _ = run(*x, w, idx, shared=sh_arg)
+    cut = lambda t: None if t is None else tuple(a[:, :t0] for a in t)
+    _, state = run(*cut(tuple(x)), w[:, :t0], idx[:, :t0], shared=cut(sh_arg))
+    step = jax.jit(ops.sse_decode_step)
+    outs = []
+    for i in range(t0, case.t):
+      at = lambda t: None if t is None else tuple(a[:, i] for a in t)
+      o_i, state = step(*at(tuple(x)), w[:, i], idx[:, i], state, shared=at(sh_arg))
+      outs.append(o_i)
+    assert_close(jnp.stack(outs, 1), o_full[:, t0:], F64_TOL, "decode")
+
+
+def test_decode_step_touches_only_selected_partitions():
+  x = random_qkvg(jax.random.PRNGKey(0), 2, 1, 2, 16, 8)
+  state = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 2, 16, 8))
+  idx = jnp.array([[1, 3], [4, 0]], jnp.int32)
+  w = jnp.array([[0.5, 0.2], [0.3, 0.1]])
+  _, new = ops.sse_decode_step(*(a[:, 0] for a in x), w, idx, state)
+  for b, chosen in enumerate(([1, 3], [4, 0])):
+    for i in range(5):
+      same = np.array_equal(np.asarray(new[b, i]), np.asarray(state[b, i]))
+      assert same == (i not in chosen), (b, i)
+
+
+def _sse_args(**over):
+  b, t, h, d, n = 1, 8, 2, 8, 4
+  args = dict(q=jnp.zeros((b, t, h, d)), k=jnp.zeros((b, t, h, d)), v=jnp.zeros((b, t, h, d)),
+              g=jnp.zeros((b, t, h, d)), weights=jnp.ones((b, t, 2)),
+              indices=jnp.zeros((b, t, 2), jnp.int32).at[..., 1].set(1))
+  kwargs = dict(num_partitions=n)
+  for key, value in over.items():
+    (args if key in args else kwargs)[key] = value
+  return args, kwargs
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(num_partitions=1), r"top-k K=2 \(last axis of indices\) must be in \[1, num_partitions=1\]"),
+    (dict(num_partitions=0), "num_partitions must be a positive int, got 0"),
+    (dict(indices=jnp.zeros((1, 8, 2))), "indices must be integer"),
+    (dict(indices=jnp.zeros((1, 7, 2), jnp.int32)), r"indices must have shape \[B, T, K\]"),
+    (dict(weights=jnp.ones((1, 8, 3))), "weights must have the shape of indices"),
+    (dict(indices=jnp.full((1, 8, 2), 4, jnp.int32).at[..., 1].set(0)),
+     r"indices must lie in \[0, num_partitions=4\), got values in \[0, 4\]"),
+    (dict(indices=jnp.zeros((1, 8, 2), jnp.int32)), "indices must be distinct"),
+    (dict(gate="sideways"), "gate='sideways' is not one of"),
+    (dict(impl="chunk"), "impl='chunk' is not available for sse"),
+    (dict(shared=(jnp.zeros((1, 8, 2, 4)),) * 3), "shared q' must have the shape of k"),
+    (dict(initial_state=jnp.zeros((1, 3, 2, 8, 8))), r"initial_state must have shape \(1, 4, 2, 8, 8\)"),
+])
+def test_bad_inputs_raise(bad, match):
+  args, kwargs = _sse_args(**bad)
+  with pytest.raises(ValueError, match=match):
+    ops.sse(**args, **kwargs)
+
+
+def test_cu_seqlens_with_batch_raises():
+  args, kwargs = _sse_args()
+  args = {k: jnp.concatenate([v, v]) for k, v in args.items()}
+  with pytest.raises(ValueError, match="B == 1, got B=2"):
+    ops.sse(**args, **kwargs, cu_seqlens=jnp.array([0, 8], jnp.int32))
+
+
+def _temp_bytes(n: int, impl: str) -> int:
+  b, t, h, d, top_k = 2, 8192, 2, 64, 1
+  spec = jax.ShapeDtypeStruct
+  fn = jax.jit(functools.partial(ops.sse, num_partitions=n, impl=impl))
+  lowered = fn.lower(*(spec((b, t, h, d), jnp.bfloat16),) * 4,
+                     spec((b, t, top_k), jnp.float32), spec((b, t, top_k), jnp.int32))
+  return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+def test_varlen_memory_grows_with_k_not_n():
+  """Compiled temporary memory at B=2, T=8192, K=1: N=32 < 1.5 x N=4 for varlen."""
+  m4, m32 = _temp_bytes(4, "varlen"), _temp_bytes(32, "varlen")
+  assert m32 < 1.5 * m4, (m4, m32)
