@@ -32,6 +32,7 @@ class Case(NamedTuple):
   h: int = 2
   dk: int = 16
   dv: int = 8
+  read_k: int = 0  # > 0: a separate read set of this size (num_readers)
 
 
 CASES = {
@@ -42,6 +43,9 @@ CASES = {
                               cu=(0, 5, 5, 70, 130, 200)),
     "all_tokens_one_partition": Case(2, 100, 4, 1, "both", False, True, routing="one"),
     "N1_K1": Case(1, 70, 1, 1, "both", True, False),
+    "separate_read_set": Case(2, 90, 4, 1, "both", True, True, read_k=2),
+    "separate_read_set_ragged": Case(1, 120, 5, 2, "read", False, True,
+                                     cu=(0, 50, 120), read_k=1),
 }
 
 
@@ -58,7 +62,9 @@ def _make(case: Case, dtype):
   cot_o = jax.random.normal(keys[5], (case.b, case.t, case.h, case.dv), dtype)
   cot_f = jax.random.normal(keys[6], h0.shape, dtype)
   cot_fs = jax.random.normal(keys[7], h0s.shape, dtype)
-  return x, w, idx, shared, (h0, h0s), (cot_o, cot_f, cot_fs)
+  read = random_routing(jax.random.fold_in(keys[1], 1), case.b, case.t, case.n,
+                        max(case.read_k, 1), dtype, case.routing)
+  return x, (w, read[0]), (idx, read[1]), shared, (h0, h0s), (cot_o, cot_f, cot_fs)
 
 
 def _value_and_grads(case: Case, impl: str):
@@ -66,9 +72,10 @@ def _value_and_grads(case: Case, impl: str):
 
   def loss(q, k, v, g, w, shared, h0, idx, cots):
     h0_arg = (h0 if case.shared else h0[0]) if case.with_h0 else None
-    o, f = ops.sse(q, k, v, g, w, idx, num_partitions=case.n, gate=case.gate,
+    read = dict(read_weights=w[1], read_indices=idx[1]) if case.read_k else {}
+    o, f = ops.sse(q, k, v, g, w[0], idx[0], num_partitions=case.n, gate=case.gate,
                    initial_state=h0_arg, output_final_state=True, cu_seqlens=cu,
-                   impl=impl, shared=shared if case.shared else None)
+                   impl=impl, shared=shared if case.shared else None, **read)
     f_routed, f_shared = f if case.shared else (f, jnp.zeros_like(cots[2]))
     val = (jnp.sum(o * cots[0]) + jnp.sum(f_routed * cots[1])
            + jnp.sum(f_shared * cots[2]))
@@ -88,7 +95,8 @@ def test_impls_match_scan_float64(name):
       for what, a, r in zip(("o", "final", "final_shared"), out, ref_out):
         assert_close(a, r, F64_TOL, f"{impl} {what}")
       flat = lambda t: jax.tree_util.tree_leaves(t)
-      names = ["dq", "dk", "dv", "dg", "dweights", "dq'", "dk'", "dg'", "dh0", "dh0'"]
+      names = ["dq", "dk", "dv", "dg", "dweights", "dread_weights", "dq'", "dk'", "dg'",
+               "dh0", "dh0'"]
       for gname, a, r in zip(names, flat(grads), flat(ref_grads)):
         assert_close(a, r, F64_TOL, f"{impl} {gname}")
 
@@ -98,7 +106,7 @@ def test_unselected_partition_keeps_its_state_exactly(impl):
   """Partition N-1 is never selected: its final state is bitwise the initial state
   (a masked token must not decay it) and its gradient passes straight through."""
   case = Case(1, 100, 4, 2, "both", True, True, cu=(0, 33, 100), routing="skip_last")
-  x, w, idx, shared, (h0, h0s), _ = _make(case, jnp.float32)
+  x, (w, _), (idx, _), shared, (h0, h0s), _ = _make(case, jnp.float32)
   assert not np.any(np.asarray(idx) == case.n - 1)
   fn = jax.jit(functools.partial(
       ops.sse, num_partitions=case.n, output_final_state=True, impl=impl,
@@ -114,7 +122,7 @@ def test_unselected_partition_keeps_its_state_exactly(impl):
 @pytest.mark.parametrize("impl", ("masking", "varlen"))
 def test_bf16_close_to_float32_scan(impl):
   case = Case(2, 130, 4, 2, "both", True, False, h=2, dk=32, dv=32)
-  x, w, idx, shared, _, _ = _make(case, jnp.bfloat16)
+  x, (w, _), (idx, _), shared, _, _ = _make(case, jnp.bfloat16)
   fn = lambda im, *a: ops.sse(*a[:6], num_partitions=case.n, impl=im, shared=a[6],
                               output_final_state=True)
   o, (f, fs) = jax.jit(functools.partial(fn, impl))(*x, w, idx, shared)
@@ -127,23 +135,28 @@ def test_bf16_close_to_float32_scan(impl):
   assert_close(fs, fs_ref, 1e-5, "final shared")
 
 
-@pytest.mark.parametrize("shared", (False, True))
-def test_decode_steps_continue_prefill(shared):
+@pytest.mark.parametrize("shared, separate_read", [(False, False), (True, False),
+                                                   (True, True)])
+def test_decode_steps_continue_prefill(shared, separate_read):
   """Prefill (varlen) then sse_decode_step token by token == one full call."""
   with x64():
-    case = Case(2, 90, 4, 2, "both", shared, False)
-    x, w, idx, sh, _, _ = _make(case, jnp.float64)
+    case = Case(2, 90, 4, 2, "both", shared, False, read_k=2 if separate_read else 0)
+    x, (w, rw), (idx, ridx), sh, _, _ = _make(case, jnp.float64)
     t0 = 70
     sh_arg = sh if shared else None
+    rd = lambda sl: (dict(read_weights=rw[sl], read_indices=ridx[sl]) if separate_read
+                     else {})
     run = jax.jit(functools.partial(ops.sse, num_partitions=4, output_final_state=True))
-    o_full, _ = run(*x, w, idx, shared=sh_arg)
+    o_full, _ = run(*x, w, idx, shared=sh_arg, **rd(slice(None)))
     cut = lambda t: None if t is None else tuple(a[:, :t0] for a in t)
-    _, state = run(*cut(tuple(x)), w[:, :t0], idx[:, :t0], shared=cut(sh_arg))
+    _, state = run(*cut(tuple(x)), w[:, :t0], idx[:, :t0], shared=cut(sh_arg),
+                   **rd(np.s_[:, :t0]))
     step = jax.jit(ops.sse_decode_step)
     outs = []
     for i in range(t0, case.t):
       at = lambda t: None if t is None else tuple(a[:, i] for a in t)
-      o_i, state = step(*at(tuple(x)), w[:, i], idx[:, i], state, shared=at(sh_arg))
+      o_i, state = step(*at(tuple(x)), w[:, i], idx[:, i], state, shared=at(sh_arg),
+                        **rd(np.s_[:, i]))
       outs.append(o_i)
     assert_close(jnp.stack(outs, 1), o_full[:, t0:], F64_TOL, "decode")
 

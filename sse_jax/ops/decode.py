@@ -51,11 +51,12 @@ def gla_decode_step(q, k, v, g, state, *, scale=None):
 
 
 def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="both",
-                    shared=None):
+                    shared=None, read_weights=None, read_indices=None):
   """One SSE step that reads and writes only the K selected partitions.
 
   Args:
     q, k, g: [B, H, Dk]; v: [B, H, Dv]; weights: float [B, K]; indices: int [B, K].
+    read_weights, read_indices: optional separate read set [B, Kr] (see `sse`).
     state: [B, N, H, Dk, Dv]; with `shared=(q', k', g')` ([B, H, Dk] each) a tuple
       (routed [B, N, H, Dk, Dv], shared [B, H, Dk, Dv]).
   Returns:
@@ -72,17 +73,24 @@ def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="bo
     raise ValueError(f"weights and indices must both be [B={b}, K], got"
                      f" {tuple(weights.shape)} and {tuple(indices.shape)}")
   checks.check_routing(weights[:, None], indices[:, None], b, 1, n)
+  if (read_weights is None) != (read_indices is None):
+    raise ValueError("read_weights and read_indices must be given together")
+  if read_indices is not None:
+    checks.check_routing(read_weights[:, None], read_indices[:, None], b, 1, n)
   scale = dk ** -0.5 if scale is None else scale
   dt = routed.dtype
   q, k, v, g = (x.astype(dt) for x in (q, k, v, g))
-  ww, rw = sse_lib.gate_weights(weights.astype(dt), gate)
+  r = sse_lib.make_routing(weights.astype(dt), indices,
+                           None if read_weights is None else read_weights.astype(dt),
+                           read_indices, gate)
 
   rows = jnp.arange(b)[:, None]
-  picked = routed[rows, indices]                                  # [B, K, H, Dk, Dv]
-  kw = k[:, None] * ww[:, :, None, None]
+  picked = routed[rows, r.write_idx]                              # [B, Kw, H, Dk, Dv]
+  kw = k[:, None] * r.write_w[:, :, None, None]
   picked = _write(kw, v[:, None], g[:, None], picked)
-  o = jnp.einsum("bhk,bjhkv,bj->bhv", q * scale, picked, rw)
-  routed = routed.at[rows, indices].set(picked)
+  routed = routed.at[rows, r.write_idx].set(picked)
+  read = picked if r.tied else routed[rows, r.read_idx]           # [B, Kr, H, Dk, Dv]
+  o = jnp.einsum("bhk,bjhkv,bj->bhv", q * scale, read, r.read_w)
   if shared is None:
     return o.astype(v.dtype), routed
   checks.check_state("state (shared)", state0, (b, h, dk, dv))

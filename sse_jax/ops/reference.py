@@ -72,26 +72,25 @@ def gla_scan(q, k, v, g, h0, cu_seqlens=None):
   return jnp.swapaxes(ys, 0, 1), final
 
 
-def sse_scan(q, k, v, g, write_w, read_w, selected, h0, cu_seqlens=None):
+def sse_scan(q, k, v, g, write_w, written, read_w, h0, cu_seqlens=None):
   """SSE over N routed partitions, one time step at a time (SPEC section 1).
 
-    S_t^i = diag(exp g_t) S_{t-1}^i + w_t^i k_t^T v_t   if i is selected at t
+    S_t^i = diag(exp g_t) S_{t-1}^i + w_t^i k_t^T v_t   if i is written at t
     S_t^i = S_{t-1}^i                                   otherwise (no decay)
-    o_t   = sum_{i selected} r_t^i q_t S_t^i
+    o_t   = sum_i r_t^i q_t S_t^i                       (r = 0 where i is not read)
 
-  Shapes: q, k, g [B, T, H, Dk]; v [B, T, H, Dv]; write_w, read_w (w, r) and the
-  boolean `selected` [B, T, N]; h0 [B | S, N, H, Dk, Dv].
+  Shapes: q, k, g [B, T, H, Dk]; v [B, T, H, Dv]; write weights w, the boolean
+  `written` and read weights r: [B, T, N]; h0 [B | S, N, H, Dk, Dv].
   """
 
   def step(state, x):
-    qt, kt, vt, gt, wt, rt, st = x
+    qt, kt, vt, gt, wt, st, rt = x
     updated = (jnp.exp(gt)[:, None, :, :, None] * state
                + wt[:, :, None, None, None]
                * (kt[..., None] * vt[..., None, :])[:, None])
     state = jnp.where(st[:, :, None, None, None], updated, state)
-    o = jnp.einsum("bhk,bnhkv,bn->bhv", qt, state, jnp.where(st, rt, 0))
-    return state, o
+    return state, jnp.einsum("bhk,bnhkv,bn->bhv", qt, state, rt)
 
-  xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, write_w, read_w, selected))
+  xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, write_w, written, read_w))
   ys, final = recurrent_scan(step, xs, h0, cu_seqlens, q.shape[1])
   return jnp.swapaxes(ys, 0, 1), final

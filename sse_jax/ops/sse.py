@@ -16,6 +16,8 @@ process it in the same chunked call as the routed partitions.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -27,45 +29,63 @@ from sse_jax.ops.checks import Gate
 from sse_jax.ops.impl import SSE_IMPLS, Impl
 
 
-def gate_weights(weights, gate: Gate):
-  """(write, read) multipliers [B, T, K] of the selected partitions."""
-  ones = jnp.ones_like(weights)
-  return (weights if gate.on_write else ones), (weights if gate.on_read else ones)
+class Routing(NamedTuple):
+  """The write set and the read set of every token, with their gated weights.
+
+  write_idx / write_w: [B, T, Kw]; read_idx / read_w: [B, T, Kr]. `tied` (static)
+  says the two sets are the same (the default), which lets varlen use one slot per
+  selected partition instead of one per write and one per read.
+  """
+
+  write_idx: jax.Array
+  write_w: jax.Array
+  read_idx: jax.Array
+  read_w: jax.Array
+  tied: bool
 
 
-def dense_routing(indices, write_w, read_w, num_partitions: int):
-  """Per-partition view of the routing: selected, write, read, each [B, T, N]."""
+def make_routing(weights, indices, read_weights, read_indices, gate: Gate) -> Routing:
+  """Applies the gate placement: an ungated side uses weight 1 (SPEC section 2)."""
+  tied = read_indices is None
+  if tied:
+    read_weights, read_indices = weights, indices
+  ww = weights if gate.on_write else jnp.ones_like(weights)
+  rw = read_weights if gate.on_read else jnp.ones_like(read_weights)
+  return Routing(indices, ww, read_indices, rw, tied)
+
+
+def spread(indices, w, num_partitions: int):
+  """Per-partition view of one routing side: (selected bool, weight or 0), [B, T, N]."""
   onehot = indices[..., None] == jnp.arange(num_partitions)          # [B, T, K, N]
-  selected = jnp.any(onehot, axis=-2)
-  spread = lambda w: jnp.sum(jnp.where(onehot, w[..., None], 0), axis=-2)
-  return selected, spread(write_w), spread(read_w)
+  return (jnp.any(onehot, axis=-2),
+          jnp.sum(jnp.where(onehot, w[..., None], 0), axis=-2))
 
 
-def masked_partitions(q, k, g, write_w, read_w, indices, num_partitions: int):
+def masked_partitions(q, k, g, routing: Routing, num_partitions: int):
   """Per-partition copies [B, T, N, H, Dk] with unselected tokens made identities.
 
-  For (t, i) not selected: k = 0 (no write), q = 0 (no read) and g = 0: identity
-  decay, the crucial detail -- zeroing k alone would still decay S^i.
+  For a partition not written at t: k = 0 and g = 0 -- identity decay, the crucial
+  detail: zeroing k alone would still decay S^i. Not read at t: q = 0.
   """
-  selected, ww, rw = dense_routing(indices, write_w, read_w, num_partitions)
+  written, ww = spread(routing.write_idx, routing.write_w, num_partitions)
+  _, rw = spread(routing.read_idx, routing.read_w, num_partitions)
   col = lambda w: w[..., None, None]
-  qm = q[:, :, None] * col(jnp.where(selected, rw, 0))
-  km = k[:, :, None] * col(jnp.where(selected, ww, 0))
-  gm = g[:, :, None] * col(selected.astype(g.dtype))
-  return qm, km, gm
+  return (q[:, :, None] * col(rw), k[:, :, None] * col(ww),
+          g[:, :, None] * col(written.astype(g.dtype)))
 
 
-def _scan(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens):
-  selected, wd, rd = dense_routing(indices, ww, rw, n)
-  o, final = reference.sse_scan(q, k, v, g, wd, rd, selected, h0, cu_seqlens)
+def _scan(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens):
+  written, wd = spread(routing.write_idx, routing.write_w, n)
+  _, rd = spread(routing.read_idx, routing.read_w, n)
+  o, final = reference.sse_scan(q, k, v, g, wd, written, rd, h0, cu_seqlens)
   if shared is None:
     return o, final, None
   o0, final0 = reference.gla_scan(*shared[:2], v, shared[2], h0_shared, cu_seqlens)
   return o + o0, final, final0
 
 
-def _loop(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, c):
-  qm, km, gm = masked_partitions(q, k, g, ww, rw, indices, n)
+def _loop(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c):
+  qm, km, gm = masked_partitions(q, k, g, routing, n)
   outs, finals = [], []
   for i in range(n):
     o_i, f_i = gla_lib.chunked_gla(qm[:, :, i], km[:, :, i], v, gm[:, :, i],
@@ -80,11 +100,10 @@ def _loop(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, c):
   return o, final, final0
 
 
-def _masking(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, c,
-             core=None):
+def _masking(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core=None):
   """Fold the N (+1 shared) partitions into the head axis: one chunked call."""
   core = core or chunked.chunk_gla
-  qm, km, gm = masked_partitions(q, k, g, ww, rw, indices, n)
+  qm, km, gm = masked_partitions(q, k, g, routing, n)
   if shared is not None:
     qm, km, gm = (jnp.concatenate([x, s[:, :, None]], axis=2)
                   for x, s in zip((qm, km, gm), shared))
@@ -102,33 +121,54 @@ def _masking(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, 
   return o, final[:, :n], final[:, n]
 
 
-def _varlen(q, k, v, g, ww, rw, indices, n, h0, shared, h0_shared, cu_seqlens, c,
-            core=None):
+def _routed_slots(q, k, v, g, routing: Routing):
+  """Per-token slots [B*T, J, ...] and their partitions [B*T, J].
+
+  Tied sets: one slot per selected partition (q r, k w, v, g). Untied: Kw write slots
+  (q = 0) then Kr read slots (k = 0, g = 0: no write, no decay); inside a segment a
+  write slot precedes the read slot of the same token, so the read sees S_t.
+  """
+  flat = lambda x: x.reshape((-1,) + x.shape[2:])
+  tok = lambda x, j: jnp.broadcast_to(flat(x)[:, None], (flat(x).shape[0], j) + x.shape[2:])
+  col = lambda w: flat(w)[..., None, None]
+  kw, kr = routing.write_idx.shape[-1], routing.read_idx.shape[-1]
+  if routing.tied:
+    return (tok(q, kw) * col(routing.read_w), tok(k, kw) * col(routing.write_w),
+            tok(v, kw), tok(g, kw), flat(routing.write_idx))
+  zeros = lambda x, j: jnp.zeros((flat(x).shape[0], j) + x.shape[2:], x.dtype)
+  cat = lambda a, b: jnp.concatenate([a, b], axis=1)
+  return (cat(zeros(q, kw), tok(q, kr) * col(routing.read_w)),
+          cat(tok(k, kw) * col(routing.write_w), zeros(k, kr)),
+          tok(v, kw + kr),
+          cat(tok(g, kw), zeros(g, kr)),
+          cat(flat(routing.write_idx), flat(routing.read_idx)))
+
+
+def _varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core=None):
   """Gather tokens per (sequence, partition) segment, one packed chunked call."""
   core = core or chunked.chunk_gla
   b, t, h, dk = q.shape
-  top_k = indices.shape[-1]
-  flat = lambda x: x.reshape((b * t,) + x.shape[2:])
   if cu_seqlens is None:
     seq = jnp.repeat(jnp.arange(b), t)
   else:
     seq, _ = reference.sequence_ids(cu_seqlens, t)
   nseq = h0.shape[0]
-  # Routed slots, token-major (slot = token * K + j), so a stable sort by segment
-  # keeps time order inside each (sequence, partition) segment.
-  seg = (seq[:, None] * n + flat(indices)).reshape(-1)
-  rep = lambda x: jnp.repeat(flat(x), top_k, axis=0)
-  col = lambda w: flat(w).reshape(-1)[:, None, None]
-  q_s, k_s, v_s, g_s = rep(q) * col(rw), rep(k) * col(ww), rep(v), rep(g)
+  q_s, k_s, v_s, g_s, part = _routed_slots(q, k, v, g, routing)
+  per_token = part.shape[1]
+  # Slots are token-major, so a stable sort by segment keeps time order inside each
+  # (sequence, partition) segment.
+  seg = (seq[:, None] * n + part).reshape(-1)
+  q_s, k_s, v_s, g_s = (x.reshape((-1,) + x.shape[2:]) for x in (q_s, k_s, v_s, g_s))
   h0_table = h0.reshape((nseq * n,) + h0.shape[2:])
+  flat = lambda x: x.reshape((b * t,) + x.shape[2:])
   if shared is not None:
     seg = jnp.concatenate([seg, nseq * n + seq])
     q_s, k_s, g_s = (jnp.concatenate([x, flat(s)]) for x, s in zip((q_s, k_s, g_s), shared))
     v_s = jnp.concatenate([v_s, flat(v)])
     h0_table = jnp.concatenate([h0_table, h0_shared])
   o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core)
-  routed = b * t * top_k
-  o = o_s[:routed].reshape(b * t, top_k, h, -1).sum(axis=1)
+  routed = b * t * per_token
+  o = o_s[:routed].reshape(b * t, per_token, h, -1).sum(axis=1)
   final = finals[:nseq * n].reshape(h0.shape)
   final0 = None
   if shared is not None:
@@ -143,7 +183,8 @@ _IMPLS = {Impl.SCAN: _scan, Impl.LOOP: _loop, Impl.MASKING: _masking,
 
 def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both",
         initial_state=None, output_final_state=False, cu_seqlens=None, impl="varlen",
-        shared=None, chunk_size: int = gla_lib.DEFAULT_CHUNK):
+        shared=None, read_weights=None, read_indices=None,
+        chunk_size: int = gla_lib.DEFAULT_CHUNK):
   """Sparse State Expansion over N routed partitions (module docstring).
 
   Args:
@@ -162,6 +203,10 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     impl: "varlen" (default), "masking", "loop" or "scan" (reference).
     shared: optional (q', k', g'), each [B, T, H, Dk]: an always-on GLA partition
       sharing v, with weight 1.
+    read_weights, read_indices: optional [B, T, Kr] read set (the official code's
+      `num_readers`); `weights`/`indices` are then the write set only. A partition
+      read but not written at t neither decays nor changes; one written but not
+      read contributes nothing to o_t. Default: the read set is the write set.
     chunk_size: C, a multiple of 16.
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None).
@@ -171,6 +216,10 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
   gate = checks.parse_enum(Gate, gate, "gate")
   gla_lib.check_chunk_size(chunk_size)
   checks.check_routing(weights, indices, b, t, num_partitions)
+  if (read_weights is None) != (read_indices is None):
+    raise ValueError("read_weights and read_indices must be given together")
+  if read_indices is not None:
+    checks.check_routing(read_weights, read_indices, b, t, num_partitions)
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
   h0, h0_shared = initial_state, None
@@ -202,9 +251,10 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     shared = (q0 * scale, k0, g0)
     h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
                  else h0_shared.astype(dtype))
-  ww, rw = gate_weights(weights.astype(dtype), gate)
-
-  args = (q, k, v, g, ww, rw, indices, num_partitions, h0, shared, h0_shared, cu_seqlens)
+  routing = make_routing(weights.astype(dtype), indices,
+                         None if read_weights is None else read_weights.astype(dtype),
+                         read_indices, gate)
+  args = (q, k, v, g, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
   if impl is Impl.SCAN:
     o, final, final0 = _scan(*args)
   else:
