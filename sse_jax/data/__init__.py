@@ -6,6 +6,7 @@ Sources (all yield inputs int32 [T], targets int32 [T], weights float32 [T]):
     RetrievalSource(RetrievalConfig)          single-needle retrieval probe on that text
     TfdsTextSource(TfdsConfig)                byte-level LM on a prepared TFDS text dataset
 Pipeline:
+    default_config(kind) -> ConfigDict        all fields of a kind, with defaults
     make_source(config, split=None)           config.kind in {mqar, shakespeare, retrieval, tfds}
     make_dataset(source, *, batch_size, seed, shuffle, num_epochs=None) -> grain.IterDataset
 
@@ -14,7 +15,7 @@ needed only when a pipeline, a tfds source or a Shakespeare source is built.
 """
 
 from sse_jax.data.mqar import MQARConfig, MQARSource
-from sse_jax.data.pipeline import make_dataset, make_source
+from sse_jax.data.pipeline import default_config, make_dataset, make_source
 from sse_jax.data.retrieval import RetrievalConfig, RetrievalSource, exact_match
 from sse_jax.data.shakespeare import ShakespeareConfig, ShakespeareSource
 from sse_jax.data.tfds_source import TfdsConfig, TfdsTextSource
@@ -22,4 +23,4 @@ from sse_jax.data.tokenizer import PAD_ID, VOCAB_SIZE, bits_per_byte, decode, en
 
 __all__ = ["MQARConfig", "MQARSource", "PAD_ID", "RetrievalConfig", "RetrievalSource",
            "ShakespeareConfig", "ShakespeareSource", "TfdsConfig", "TfdsTextSource", "VOCAB_SIZE",
-           "bits_per_byte", "decode", "encode", "exact_match", "make_dataset", "make_source"]
+           "bits_per_byte", "decode", "default_config", "encode", "exact_match", "make_dataset", "make_source"]

@@ -1,5 +1,6 @@
 """grain input pipeline and a config-driven source factory.
 
+    default_config(kind) -> ml_collections.ConfigDict   every field of `kind`, with defaults
     make_source(config, split=None) -> source     (__len__ / __getitem__ -> example dict)
     make_dataset(source, *, batch_size, seed, shuffle, num_epochs=None) -> grain.IterDataset
 
@@ -68,6 +69,18 @@ def _build(cls, fields: dict[str, Any], kind: str):
     raise ValueError(f"unknown field(s) {unknown} for data kind {kind!r}; "
                      f"known: {sorted(known)}")
   return cls(**fields)
+
+
+def default_config(kind: str):
+  """A ConfigDict with `kind` and every field of that kind at its default, to edit in an
+  experiment config (e.g. `cfg.data = default_config("mqar"); cfg.data.num_pairs = 64`)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  if kind not in KINDS:
+    raise ValueError(f"kind={kind!r}: must be one of {sorted(KINDS)}")
+  fields = {f.name: f.default for f in dataclasses.fields(KINDS[kind][0])}
+  if kind == "mqar":
+    fields["split"] = "train"
+  return ml_collections.ConfigDict({"kind": kind, **fields})
 
 
 def make_source(config: Any, split: str | None = None):
