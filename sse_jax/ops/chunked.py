@@ -16,9 +16,10 @@ and the diagonal blocks (i == j) form exp(G_t - G_s) directly for s <= t. Every
 exponent this module evaluates is <= 0.
 
 The state recurrence across chunks is a `lax.scan` over chunks whose body is only an
-elementwise multiply-add; a chunk may restart the recurrence from a table of initial
-states (`reset`), which is how packed variable-length sequences and the SSE varlen
-segments are handled without any data-dependent shape.
+elementwise multiply-add. Inputs are organised in *segments*: runs of whole chunks
+that each start from their own initial state (a sequence of a batch, a packed
+sequence, or one (sequence, partition) of the SSE varlen path). Every chunk core
+(this one and the Pallas kernels) has the same signature, see `chunk_gla`.
 """
 
 from __future__ import annotations
@@ -69,18 +70,42 @@ def intra_chunk_scores(q: jax.Array, k: jax.Array, gcum: jax.Array) -> jax.Array
   return a.reshape(lead + (q.shape[-2], c, c))
 
 
-def chunk_gla(q, k, v, g, h0, reset, h0_index):
-  """Chunked GLA over pre-chunked inputs with optional recurrence restarts.
+def segment_starts(seg_start, seg_chunks, num_chunks: int):
+  """Per chunk: (starts a segment, that segment's id, or Z for chunks of no segment).
+
+  seg_start / seg_chunks [Z]: first chunk and chunk count of each segment (segments
+  occupy disjoint chunk ranges; an empty segment has seg_chunks == 0).
+  """
+  z = seg_start.shape[0]
+  at = jnp.where(seg_chunks > 0, seg_start, num_chunks)  # empty segments: dropped
+  owner = jnp.full((num_chunks,), z, jnp.int32).at[at].set(
+      jnp.arange(z, dtype=jnp.int32), mode="drop")
+  covered = jnp.zeros((num_chunks,), jnp.int32).at[at].add(1, mode="drop")
+  covered = covered.at[jnp.where(seg_chunks > 0, seg_start + seg_chunks, num_chunks)].add(
+      -1, mode="drop")
+  inside = jnp.cumsum(covered) > 0
+  # A chunk inside no segment restarts from the zero state (index Z) and holds zeros.
+  reset = (owner < z) | ~inside
+  return reset, jnp.where(inside, owner, z)
+
+
+def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks):
+  """Chunked GLA over pre-chunked inputs organised in segments.
 
   Args:
     q, k, g: [B, NC, C, H, Dk] (q already scaled; compute dtype); v: [B, NC, C, H, Dv].
-    h0: [Z, H, Dk, Dv] table of initial states.
-    reset: bool [B, NC]: the chunk starts a new segment, whose state is h0[h0_index].
-      Chunk 0 of every row must reset.
-    h0_index: int [B, NC].
+    h0: [Z, H, Dk, Dv] initial state of each segment.
+    seg_start, seg_chunks: int [Z]; segment z occupies the flattened chunks
+      b * NC + c in [seg_start, seg_start + seg_chunks), never crossing a batch row.
   Returns:
-    o [B, NC, C, H, Dv]; states at every chunk end [B, NC, H, Dk, Dv].
+    o [B, NC, C, H, Dv] (zero in chunks of no segment) and the final state of each
+    segment [Z, H, Dk, Dv] (an empty segment keeps h0).
   """
+  b, nc = q.shape[:2]
+  reset, h0_index = segment_starts(seg_start, seg_chunks, b * nc)
+  reset, h0_index = reset.reshape(b, nc), h0_index.reshape(b, nc)
+  h0_table = jnp.concatenate([h0, jnp.zeros((1,) + h0.shape[1:], h0.dtype)])
+
   gcum = jnp.cumsum(g, axis=2)
   g_last = gcum[:, :, -1]                                                # [B, NC, H, Dk]
   # Local state contribution of each chunk, with exp(G_C - G_s) <= 1.
@@ -90,7 +115,7 @@ def chunk_gla(q, k, v, g, h0, reset, h0_index):
 
   def step(h, x):
     dec, dlt, rst, idx = x
-    h = jnp.where(rst[:, None, None, None], h0[idx], h)
+    h = jnp.where(rst[:, None, None, None], h0_table[idx], h)
     return dec[..., None] * h + dlt, h
 
   xs = (jnp.swapaxes(decay, 0, 1), jnp.swapaxes(delta, 0, 1),
@@ -98,9 +123,11 @@ def chunk_gla(q, k, v, g, h0, reset, h0_index):
   h_init = jnp.zeros(delta.shape[:1] + delta.shape[2:], delta.dtype)
   _, h_start = jax.lax.scan(step, h_init, xs)
   h_start = jnp.swapaxes(h_start, 0, 1)                                  # [B, NC, H, Dk, Dv]
-  h_end = decay[..., None] * h_start + delta
+  h_end = (decay[..., None] * h_start + delta).reshape((b * nc,) + delta.shape[2:])
+  last = jnp.clip(seg_start + seg_chunks - 1, 0, b * nc - 1)
+  final = jnp.where((seg_chunks > 0)[:, None, None, None], h_end[last], h0)
 
   o_inter = jnp.einsum("bnchk,bnhkv->bnchv", q * jnp.exp(gcum), h_start)
   scores = intra_chunk_scores(q, k, gcum)                                # [B, NC, H, C, C]
   o_intra = jnp.einsum("bnhts,bnshv->bnthv", scores, v)
-  return o_inter + o_intra, h_end
+  return o_inter + o_intra, final

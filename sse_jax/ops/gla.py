@@ -18,7 +18,8 @@ from sse_jax.ops.impl import GLA_IMPLS, Impl
 
 DEFAULT_CHUNK = 64
 
-# A chunk core maps pre-chunked inputs to (o, chunk-end states); see chunked.chunk_gla.
+# A chunk core maps pre-chunked inputs and a segment table to (o, final states per
+# segment); see chunked.chunk_gla for the contract shared by the XLA and Pallas cores.
 ChunkCore = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -52,10 +53,10 @@ def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chu
     x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     return x.reshape((b, nc, chunk_size) + x.shape[2:])
 
-  reset = jnp.zeros((b, nc), bool).at[:, 0].set(True)
-  h0_index = jnp.broadcast_to(jnp.arange(b)[:, None], (b, nc))
-  o, h_end = core(chunk(q), chunk(k), chunk(v), chunk(g), h0, reset, h0_index)
-  return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], h_end[:, -1]
+  seg_start = jnp.arange(b, dtype=jnp.int32) * nc
+  seg_chunks = jnp.full((b,), nc, jnp.int32)
+  o, final = core(chunk(q), chunk(k), chunk(v), chunk(g), h0, seg_start, seg_chunks)
+  return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], final
 
 
 def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
@@ -70,19 +71,15 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   p = q.shape[0]
   z = h0.shape[0]
   nc = packing.max_chunks(p, z, chunk_size)
-  layout = packing.chunk_layout(slot_segment, z, chunk_size, nc)
+  layout = packing.chunk_layout(slot_segment, z, chunk_size)
 
   def to_buffer(x):
     x = packing.scatter_rows(x, layout.rows, nc * chunk_size)
     return x.reshape((1, nc, chunk_size) + x.shape[1:])
 
-  h0_table = jnp.concatenate([h0, jnp.zeros((1,) + h0.shape[1:], h0.dtype)])
-  o, h_end = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0_table,
-                  layout.reset[None], layout.h0_index[None])
-  o = o.reshape((nc * chunk_size,) + o.shape[3:])[layout.rows]
-  final = jnp.where((layout.seg_len > 0)[:, None, None, None],
-                    h_end[0, layout.last_chunk], h0)
-  return o, final
+  o, final = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
+                  layout.seg_start, layout.seg_chunks)
+  return o.reshape((nc * chunk_size,) + o.shape[3:])[layout.rows], final
 
 
 def chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size: int,

@@ -20,18 +20,15 @@ import jax.numpy as jnp
 
 
 class ChunkLayout(NamedTuple):
-  """Where each slot lives in the padded buffer, and how chunks chain.
+  """Where each slot lives in the padded buffer, and where each segment lives.
 
-  rows [P]: buffer row of each slot.  reset / h0_index [NC]: a chunk that starts a
-  segment restarts from h0[h0_index] (index Z is an all-zero state, used by the unused
-  tail chunks).  last_chunk [Z]: the chunk holding a segment's last token (meaningless
-  when seg_len == 0).  seg_len [Z].
+  rows [P]: buffer row of each slot. seg_start / seg_chunks [Z]: first chunk and
+  number of chunks of each segment (0 for an empty one). seg_len [Z]: its slots.
   """
 
   rows: jax.Array
-  reset: jax.Array
-  h0_index: jax.Array
-  last_chunk: jax.Array
+  seg_start: jax.Array
+  seg_chunks: jax.Array
   seg_len: jax.Array
 
 
@@ -40,29 +37,21 @@ def max_chunks(num_slots: int, num_segments: int, chunk_size: int) -> int:
   return -(-num_slots // chunk_size) + num_segments
 
 
-def chunk_layout(slot_segment: jax.Array, num_segments: int, chunk_size: int,
-                 num_chunks: int) -> ChunkLayout:
+def chunk_layout(slot_segment: jax.Array, num_segments: int,
+                 chunk_size: int) -> ChunkLayout:
   """Builds the layout for slots with segment ids `slot_segment` [P] (int)."""
   p = slot_segment.shape[0]
   seg_len = jnp.zeros((num_segments,), jnp.int32).at[slot_segment].add(1)
-  seg_start = jnp.cumsum(seg_len) - seg_len
+  seg_offset = jnp.cumsum(seg_len) - seg_len
   seg_chunks = -(-seg_len // chunk_size)
-  chunk_end = jnp.cumsum(seg_chunks)
-  chunk_start = chunk_end - seg_chunks
+  seg_start = jnp.cumsum(seg_chunks) - seg_chunks
 
   # Rank of each slot inside its segment: its position after a stable sort by segment.
   order = jnp.argsort(slot_segment, stable=True)
   sorted_pos = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
-  rank = sorted_pos - seg_start[slot_segment]
-  rows = chunk_start[slot_segment] * chunk_size + rank
-
-  c = jnp.arange(num_chunks)
-  seg_of_chunk = jnp.searchsorted(chunk_end, c, side="right")  # Z for unused chunks
-  valid = seg_of_chunk < num_segments
-  seg_c = jnp.minimum(seg_of_chunk, num_segments - 1)
-  reset = ~valid | (c == chunk_start[seg_c])
-  h0_index = jnp.where(valid, seg_c, num_segments)
-  return ChunkLayout(rows, reset, h0_index, chunk_end - 1, seg_len)
+  rank = sorted_pos - seg_offset[slot_segment]
+  rows = seg_start[slot_segment] * chunk_size + rank
+  return ChunkLayout(rows, seg_start, seg_chunks, seg_len)
 
 
 def scatter_rows(x: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
