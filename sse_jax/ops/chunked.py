@@ -70,23 +70,28 @@ def intra_chunk_scores(q: jax.Array, k: jax.Array, gcum: jax.Array) -> jax.Array
   return a.reshape(lead + (q.shape[-2], c, c))
 
 
-def segment_starts(seg_start, seg_chunks, num_chunks: int):
-  """Per chunk: (starts a segment, that segment's id, or Z for chunks of no segment).
+def covered_chunks(seg_start, seg_chunks, num_chunks: int) -> jax.Array:
+  """bool [NC]: the chunk belongs to some segment (segments occupy disjoint chunk
+  ranges [seg_start, seg_start + seg_chunks); an empty segment has seg_chunks == 0)."""
+  edges = jnp.zeros((num_chunks,), jnp.int32)
+  edges = edges.at[jnp.where(seg_chunks > 0, seg_start, num_chunks)].add(1, mode="drop")
+  edges = edges.at[jnp.where(seg_chunks > 0, seg_start + seg_chunks, num_chunks)].add(
+      -1, mode="drop")
+  return jnp.cumsum(edges) > 0
 
-  seg_start / seg_chunks [Z]: first chunk and chunk count of each segment (segments
-  occupy disjoint chunk ranges; an empty segment has seg_chunks == 0).
+
+def segment_starts(seg_start, seg_chunks, num_chunks: int):
+  """Per chunk: (restart the recurrence here, from initial state number ...).
+
+  A chunk that starts segment z restarts from h0[z]; a chunk inside no segment
+  restarts from the zero state (index Z) and holds zeros.
   """
   z = seg_start.shape[0]
   at = jnp.where(seg_chunks > 0, seg_start, num_chunks)  # empty segments: dropped
   owner = jnp.full((num_chunks,), z, jnp.int32).at[at].set(
       jnp.arange(z, dtype=jnp.int32), mode="drop")
-  covered = jnp.zeros((num_chunks,), jnp.int32).at[at].add(1, mode="drop")
-  covered = covered.at[jnp.where(seg_chunks > 0, seg_start + seg_chunks, num_chunks)].add(
-      -1, mode="drop")
-  inside = jnp.cumsum(covered) > 0
-  # A chunk inside no segment restarts from the zero state (index Z) and holds zeros.
-  reset = (owner < z) | ~inside
-  return reset, jnp.where(inside, owner, z)
+  inside = covered_chunks(seg_start, seg_chunks, num_chunks)
+  return (owner < z) | ~inside, jnp.where(inside, owner, z)
 
 
 def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks):

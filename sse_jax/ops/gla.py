@@ -14,6 +14,7 @@ from sse_jax.ops import checks
 from sse_jax.ops import chunked
 from sse_jax.ops import packing
 from sse_jax.ops import reference
+from sse_jax.ops import impl as impl_lib
 from sse_jax.ops.impl import GLA_IMPLS, Impl
 
 DEFAULT_CHUNK = 64
@@ -103,14 +104,14 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
     output_final_state: also return the final state(s).
     cu_seqlens: int32 [S + 1] boundaries of S sequences packed along T (needs B == 1);
       no information crosses a boundary.
-    impl: "chunk" (default) or "scan" (reference).
+    impl: "chunk" (default), "pallas_chunk", "auto" or "scan" (reference).
     chunk_size: C, a multiple of 16.
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None). States are float32, or
     float64 when the inputs are float64.
   """
   b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
-  impl = parse_impl(impl, GLA_IMPLS, "gla")
+  impl = impl_lib.resolve_auto(parse_impl(impl, GLA_IMPLS, "gla"), "gla")
   check_chunk_size(chunk_size)
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
@@ -118,12 +119,14 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
   dtype = checks.compute_dtype(q, k, v, g, initial_state)
   scale = dk ** -0.5 if scale is None else scale
   out_dtype = v.dtype
-  q, k, v, g = (x.astype(dtype) for x in (q, k, v, g))
-  q = q * scale
+  qkv_dtype = impl_lib.storage_dtype(impl, q.dtype, dtype)
+  q = (q.astype(dtype) * scale).astype(qkv_dtype)
+  k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
   h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
         else initial_state.astype(dtype))
   if impl is Impl.SCAN:
     o, final = reference.gla_scan(q, k, v, g, h0, cu_seqlens)
   else:
-    o, final = chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size)
-  return o.astype(out_dtype), (final if output_final_state else None)
+    o, final = chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size,
+                           impl_lib.chunk_core(impl, qkv_dtype))
+  return o.astype(out_dtype), (final.astype(dtype) if output_final_state else None)

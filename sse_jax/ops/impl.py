@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import enum
+import functools
+
+import jax
+import jax.numpy as jnp
 
 
 class Impl(enum.Enum):
   """Implementations of `gla` / `sse`; all compute the same function.
 
   SCAN     `lax.scan` over time on the whole state: the reference, O(T N Dk Dv).
-  CHUNK    chunkwise-parallel GLA (gla only; sse's building block).
+  CHUNK    chunkwise-parallel GLA in XLA (gla only; sse's building block).
   LOOP     sse: one chunked GLA call per partition on masked inputs (Fig. 6 "loop").
   MASKING  sse: masked copies of q/k/g per partition folded into the head axis, one
            chunked call. Cost and memory ~ (N + 1) x dense: best at short T.
   VARLEN   sse: tokens gathered per (sequence, partition) into one packed, chunk-aligned
            buffer of ~ (K + 1) B T rows, one chunked call, scatter-add back. Cost ~ (K + 1)
            x dense, independent of N: best at long T.
+  PALLAS_* the same algorithms with the chunked GLA as Pallas GPU kernels
+           (`pallas_kernels.chunk_gla`); without a GPU they run in interpret mode (slow,
+           for testing). 16-bit inputs stay 16-bit in the matmuls (fp32 accumulation).
+  AUTO     PALLAS_CHUNK / PALLAS_VARLEN on GPU, CHUNK / VARLEN elsewhere.
   """
 
   SCAN = "scan"
@@ -23,7 +31,49 @@ class Impl(enum.Enum):
   LOOP = "loop"
   MASKING = "masking"
   VARLEN = "varlen"
+  PALLAS_CHUNK = "pallas_chunk"
+  PALLAS_MASKING = "pallas_masking"
+  PALLAS_VARLEN = "pallas_varlen"
+  AUTO = "auto"
+
+  @property
+  def is_pallas(self) -> bool:
+    return self.value.startswith("pallas")
 
 
-GLA_IMPLS = (Impl.SCAN, Impl.CHUNK)
-SSE_IMPLS = (Impl.SCAN, Impl.LOOP, Impl.MASKING, Impl.VARLEN)
+GLA_IMPLS = (Impl.SCAN, Impl.CHUNK, Impl.PALLAS_CHUNK, Impl.AUTO)
+SSE_IMPLS = (Impl.SCAN, Impl.LOOP, Impl.MASKING, Impl.VARLEN, Impl.PALLAS_MASKING,
+             Impl.PALLAS_VARLEN, Impl.AUTO)
+
+
+def resolve_auto(impl: Impl, op: str) -> Impl:
+  """AUTO -> the fastest implementation available on the default backend."""
+  if impl is not Impl.AUTO:
+    return impl
+  gpu = jax.default_backend() == "gpu"
+  if op == "gla":
+    return Impl.PALLAS_CHUNK if gpu else Impl.CHUNK
+  return Impl.PALLAS_VARLEN if gpu else Impl.VARLEN
+
+
+def chunk_core(impl: Impl, storage_dtype):
+  """The chunk core behind an implementation (see `chunked.chunk_gla`)."""
+  # Imported here: pallas_kernels builds on sse_jax.ops (its reference lives there).
+  if impl.is_pallas:
+    from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
+    return functools.partial(pallas_chunk_gla.chunk_gla, storage_dtype=storage_dtype)
+  from sse_jax.ops import chunked  # pylint: disable=g-import-not-at-top
+  return chunked.chunk_gla
+
+
+def storage_dtype(impl: Impl, input_dtype, compute_dtype):
+  """dtype of q, k, v inside the chunked path.
+
+  XLA paths compute in `compute_dtype` (fp32, or fp64 under x64). Pallas keeps 16-bit
+  inputs 16-bit (the matmul operands; accumulation is fp32) and runs fp32 otherwise.
+  """
+  if not impl.is_pallas:
+    return jnp.dtype(compute_dtype)
+  if jnp.dtype(input_dtype) in (jnp.bfloat16, jnp.float16):
+    return jnp.dtype(input_dtype)
+  return jnp.dtype(jnp.float32)

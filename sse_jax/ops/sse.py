@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from sse_jax.ops import checks
-from sse_jax.ops import chunked
 from sse_jax.ops import gla as gla_lib
 from sse_jax.ops import reference
 from sse_jax.ops.checks import Gate
+from sse_jax.ops import impl as impl_lib
 from sse_jax.ops.impl import SSE_IMPLS, Impl
 
 
@@ -70,7 +70,8 @@ def masked_partitions(q, k, g, routing: Routing, num_partitions: int):
   written, ww = spread(routing.write_idx, routing.write_w, num_partitions)
   _, rw = spread(routing.read_idx, routing.read_w, num_partitions)
   col = lambda w: w[..., None, None]
-  return (q[:, :, None] * col(rw), k[:, :, None] * col(ww),
+  return ((q[:, :, None] * col(rw)).astype(q.dtype),
+          (k[:, :, None] * col(ww)).astype(k.dtype),
           g[:, :, None] * col(written.astype(g.dtype)))
 
 
@@ -100,9 +101,8 @@ def _loop(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c):
   return o, final, final0
 
 
-def _masking(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core=None):
+def _masking(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
   """Fold the N (+1 shared) partitions into the head axis: one chunked call."""
-  core = core or chunked.chunk_gla
   qm, km, gm = masked_partitions(q, k, g, routing, n)
   if shared is not None:
     qm, km, gm = (jnp.concatenate([x, s[:, :, None]], axis=2)
@@ -132,21 +132,21 @@ def _routed_slots(q, k, v, g, routing: Routing):
   tok = lambda x, j: jnp.broadcast_to(flat(x)[:, None], (flat(x).shape[0], j) + x.shape[2:])
   col = lambda w: flat(w)[..., None, None]
   kw, kr = routing.write_idx.shape[-1], routing.read_idx.shape[-1]
+  gated = lambda x, j, w: (tok(x, j) * col(w)).astype(x.dtype)
   if routing.tied:
-    return (tok(q, kw) * col(routing.read_w), tok(k, kw) * col(routing.write_w),
+    return (gated(q, kw, routing.read_w), gated(k, kw, routing.write_w),
             tok(v, kw), tok(g, kw), flat(routing.write_idx))
   zeros = lambda x, j: jnp.zeros((flat(x).shape[0], j) + x.shape[2:], x.dtype)
   cat = lambda a, b: jnp.concatenate([a, b], axis=1)
-  return (cat(zeros(q, kw), tok(q, kr) * col(routing.read_w)),
-          cat(tok(k, kw) * col(routing.write_w), zeros(k, kr)),
+  return (cat(zeros(q, kw), gated(q, kr, routing.read_w)),
+          cat(gated(k, kw, routing.write_w), zeros(k, kr)),
           tok(v, kw + kr),
           cat(tok(g, kw), zeros(g, kr)),
           cat(flat(routing.write_idx), flat(routing.read_idx)))
 
 
-def _varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core=None):
+def _varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
   """Gather tokens per (sequence, partition) segment, one packed chunked call."""
-  core = core or chunked.chunk_gla
   b, t, h, dk = q.shape
   if cu_seqlens is None:
     seq = jnp.repeat(jnp.arange(b), t)
@@ -177,10 +177,6 @@ def _varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core=N
   return o.reshape(b, t, h, -1), final, final0
 
 
-_IMPLS = {Impl.SCAN: _scan, Impl.LOOP: _loop, Impl.MASKING: _masking,
-          Impl.VARLEN: _varlen}
-
-
 def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both",
         initial_state=None, output_final_state=False, cu_seqlens=None, impl="varlen",
         shared=None, read_weights=None, read_indices=None,
@@ -200,7 +196,8 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
       (routed or None, shared [B | S, H, Dk, Dv] or None).
     output_final_state: also return the final state(s), shaped like initial_state.
     cu_seqlens: int32 [S + 1], packed sequences along T (B == 1).
-    impl: "varlen" (default), "masking", "loop" or "scan" (reference).
+    impl: "varlen" (default), "masking", "pallas_varlen", "pallas_masking", "auto",
+      "loop" or "scan" (reference); see `Impl`.
     shared: optional (q', k', g'), each [B, T, H, Dk]: an always-on GLA partition
       sharing v, with weight 1.
     read_weights, read_indices: optional [B, T, Kr] read set (the official code's
@@ -212,7 +209,7 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     (o [B, T, H, Dv] in v's dtype, final_state or None).
   """
   b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
-  impl = gla_lib.parse_impl(impl, SSE_IMPLS, "sse")
+  impl = impl_lib.resolve_auto(gla_lib.parse_impl(impl, SSE_IMPLS, "sse"), "sse")
   gate = checks.parse_enum(Gate, gate, "gate")
   gla_lib.check_chunk_size(chunk_size)
   checks.check_routing(weights, indices, b, t, num_partitions)
@@ -242,13 +239,15 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
                                *(shared if shared is not None else ()))
   scale = dk ** -0.5 if scale is None else scale
   out_dtype = v.dtype
-  q, k, v, g = (x.astype(dtype) for x in (q, k, v, g))
-  q = q * scale
+  qkv_dtype = impl_lib.storage_dtype(impl, q.dtype, dtype)
+  q = (q.astype(dtype) * scale).astype(qkv_dtype)
+  k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
   h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
         else h0.astype(dtype))
   if shared is not None:
-    q0, k0, g0 = (x.astype(dtype) for x in shared)
-    shared = (q0 * scale, k0, g0)
+    q0, k0, g0 = shared
+    shared = ((q0.astype(dtype) * scale).astype(qkv_dtype), k0.astype(qkv_dtype),
+              g0.astype(dtype))
     h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
                  else h0_shared.astype(dtype))
   routing = make_routing(weights.astype(dtype), indices,
@@ -257,8 +256,12 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
   args = (q, k, v, g, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
   if impl is Impl.SCAN:
     o, final, final0 = _scan(*args)
+  elif impl is Impl.LOOP:
+    o, final, final0 = _loop(*args, chunk_size)
   else:
-    o, final, final0 = _IMPLS[impl](*args, chunk_size)
+    fold = _masking if impl in (Impl.MASKING, Impl.PALLAS_MASKING) else _varlen
+    o, final, final0 = fold(*args, chunk_size, impl_lib.chunk_core(impl, qkv_dtype))
   if not output_final_state:
     return o.astype(out_dtype), None
-  return o.astype(out_dtype), (final if shared is None else (final, final0))
+  final = final.astype(dtype)
+  return o.astype(out_dtype), (final if shared is None else (final, final0.astype(dtype)))

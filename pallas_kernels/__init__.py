@@ -1,0 +1,1 @@
+"""Pallas GPU kernels (Triton lowering); run in interpret mode on CPU for tests."""

@@ -1,0 +1,483 @@
+"""Chunkwise GLA forward and backward as Pallas (Triton) GPU kernels.
+
+Same contract as the XLA chunk core `sse_jax.ops.chunked.chunk_gla` (the reference
+beside which these kernels are tested): inputs are whole chunks of C tokens grouped in
+*segments* (a sequence, or one (sequence, partition) of the SSE varlen path), each
+starting from its own initial state. Because the callers pad every segment to whole
+chunks (`sse_jax.ops.packing`), no kernel ever sees a sequence boundary inside a chunk.
+
+Per chunk, with b_t = sum_{u <= t} g_u (in-chunk cumulative log decay, b <= 0,
+non-increasing), Gamma = b_{C-1} and H the state entering the chunk:
+
+  o_t = (q_t e^{b_t}) H + sum_{s <= t} A_ts v_s,   A_ts = sum_d q_td k_sd e^{b_td - b_sd}
+  H'  = e^{Gamma} H + sum_s (k_s e^{Gamma - b_s})^T v_s
+
+Every exponent evaluated is <= 0: off-diagonal sub-chunk blocks (query block i, key
+block j < i, L = 16 rows each) factor e^{b_t - b_s} = e^{b_t - a_i} e^{a_i - b_s} with
+the anchor a_i = b at the first row of block i; diagonal blocks form e^{b_t - b_s} one
+key (or query) row at a time, masked to s <= t before the exponential.
+
+Kernels (grid; what each program does):
+  _state_kernel   (Z, H, nK, nV)  walk a segment's chunks, store the state entering
+                                   each chunk (fp32) and the segment's final state.
+  _output_kernel  (NC, H, nV)     o = inter (q e^b) H + intra A v, for one chunk.
+  _dstate_kernel  (Z, H, nK, nV)  walk a segment backwards: dH' of every chunk, dh0.
+  _dv_kernel      (NC, H, nV)     dv = A^T do + (k e^{Gamma - b}) dH'.
+  _dqkb_kernel    (NC, H, nK)     dq, dk and db (gradient w.r.t. the cumulative gates).
+The gates enter as b = cumsum(g) computed outside the custom_vjp, so XLA's transpose
+of the cumsum turns db into dg (dg_u = sum_{t >= u} db_t).
+
+Gradient bookkeeping (per chunk; dq, dk are w.r.t. the scaled q and k):
+  dH  = e^{Gamma} dH' + sum_t (q_t e^{b_t})^T do_t
+  dA_ts = do_t . v_s  (s <= t)
+  dq_t = e^{b_t} (do_t H^T) + sum_{s <= t} dA_ts k_s e^{b_t - b_s}
+  dk_s = e^{Gamma - b_s} (v_s dH'^T) + sum_{t >= s} dA_ts q_t e^{b_t - b_s}
+  db_t = q_t dq_t - k_t dk_t + [t = C-1] dGamma,
+  dGamma = e^{Gamma} sum_v (H dH') + sum_s k_s (v_s dH'^T) e^{Gamma - b_s}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from sse_jax.ops import chunked
+
+SUB = 16  # L: rows of a sub-chunk.
+_VALID_D = (16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes; frozen (hashable) so it can be a static argument.
+
+  chunk: C, tokens per chunk. block_k / block_v: columns of Dk / Dv per program in the
+  state kernels (and of Dk in the dq/dk kernel, of Dv in the output / dv kernels).
+  """
+
+  chunk: int = 64
+  block_k: int = 64
+  block_v: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.chunk not in (16, 32, 64, 128):
+      raise ValueError(f"chunk={self.chunk} must be one of 16, 32, 64, 128")
+    for name in ("block_k", "block_v"):
+      value = getattr(self, name)
+      if value not in _VALID_D:
+        raise ValueError(f"{name}={value} must be one of {_VALID_D}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps={self.num_warps} must be a power of 2 <= 16")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+  def tiles(self, dk: int, dv: int) -> tuple[int, int]:
+    for name, d in (("Dk", dk), ("Dv", dv)):
+      if d not in _VALID_D:
+        raise ValueError(f"{name}={d}: the Pallas kernels support head dims {_VALID_D}")
+    return min(self.block_k, dk), min(self.block_v, dv)
+
+
+# ----------------------------------------------------------------------------------
+# In-kernel chunk math, shared by the kernels below.
+
+
+def _dot(a, b, contract, dtype):
+  """a . b over the given contracting dims, operands in `dtype`, fp32 accumulate.
+
+  fp32 operands use IEEE precision (Triton's default would be TF32).
+  """
+  prec = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (contract, ((), ())),
+                         preferred_element_type=jnp.float32, precision=prec)
+
+
+_NN = ((1,), (0,))  # a @ b
+_NT = ((1,), (1,))  # a @ b^T
+_TN = ((0,), (0,))  # a^T @ b
+
+
+def _rows(ref, i, cols=None):
+  """Sub-chunk i (L rows) of a [C, D] ref, as fp32."""
+  if cols is None:
+    return ref[pl.ds(i * SUB, SUB), :].astype(jnp.float32)
+  return ref[pl.ds(i * SUB, SUB), cols].astype(jnp.float32)
+
+
+def _row(ref, r):
+  """Row r of a [C, D] ref as a [1, D] fp32 array."""
+  return ref[pl.ds(r, 1), :].astype(jnp.float32)
+
+
+def _iota(axis, cols=SUB):
+  """Row (axis 0) or column (axis 1) indices of an [L, cols] block."""
+  return lax.broadcasted_iota(jnp.int32, (SUB, cols), axis)
+
+
+def _masked_exp(x, mask):
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def _scores_block(q_ref, k_ref, b_ref, i, j, dtype):
+  """A_ij [L, L] (fp32): decayed scores of query block i against key block j <= i."""
+  qi, bi = _rows(q_ref, i), _rows(b_ref, i)
+  if j < i:
+    anchor = _row(b_ref, i * SUB)
+    q_t = qi * jnp.exp(bi - anchor)
+    k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
+    return _dot(q_t, k_t, _NT, dtype)
+  # Diagonal block: one key row s at a time, exponent masked to s <= t.
+  a = jnp.zeros((SUB, SUB), jnp.float32)
+  row, cols = _iota(0, 1), _iota(1)                                     # [L, 1], [L, L]
+  for s in range(SUB):
+    ks, bs = _row(k_ref, i * SUB + s), _row(b_ref, i * SUB + s)
+    causal = row >= s                                                     # [L, 1]
+    col = jnp.sum(qi * ks * _masked_exp(bi - bs, causal), axis=1, keepdims=True)
+    a = a + jnp.where(cols == s, col, 0.0)
+  return a
+
+
+# ----------------------------------------------------------------------------------
+# Forward kernels.
+
+
+def _state_kernel(start_ref, count_ref, k_ref, v_ref, b_ref, h0_ref, h_ref, final_ref,
+                  *, chunk, dtype):
+  """h_ref [NC, BK, BV]: state entering each chunk of segment z; final_ref [BK, BV]."""
+  z = pl.program_id(0)
+  start = start_ref[z]
+
+  def body(n, h):
+    c = start + n
+    h_ref[c] = h
+    bb = b_ref[c].astype(jnp.float32)                                    # [C, BK]
+    last = b_ref[c, pl.ds(chunk - 1, 1), :]                               # [1, BK]
+    k_end = k_ref[c].astype(jnp.float32) * jnp.exp(last - bb)
+    return h * jnp.exp(last).reshape(-1, 1) + _dot(k_end, v_ref[c], _TN, dtype)
+
+  final_ref[...] = lax.fori_loop(0, count_ref[z], body,
+                                 h0_ref[...].astype(jnp.float32))
+
+
+def _output_kernel(valid_ref, q_ref, k_ref, v_ref, b_ref, h_ref, o_ref, *, chunk, dtype):
+  """o_ref [C, BV] for one (chunk, head, Dv block); q, k, b: [C, Dk]; h: [Dk, BV]."""
+  valid = valid_ref[pl.program_id(0)] > 0
+  h = h_ref[...]
+  for i in range(chunk // SUB):
+    qi, bi = _rows(q_ref, i), _rows(b_ref, i)
+    acc = _dot(qi * jnp.exp(bi), h, _NN, dtype)
+    for j in range(i + 1):
+      a = _scores_block(q_ref, k_ref, b_ref, i, j, dtype)
+      acc = acc + _dot(a, v_ref[pl.ds(j * SUB, SUB), :], _NN, dtype)
+    o_ref[pl.ds(i * SUB, SUB), :] = jnp.where(valid, acc, 0.0).astype(o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Backward kernels.
+
+
+def _dstate_kernel(start_ref, count_ref, q_ref, do_ref, b_ref, dfinal_ref, dh_ref,
+                   dh0_ref, *, chunk, dtype):
+  """dh_ref [NC, BK, BV]: gradient of the state after each chunk; dh0_ref [BK, BV]."""
+  z = pl.program_id(0)
+  start, count = start_ref[z], count_ref[z]
+
+  def body(n, dh):
+    c = start + count - 1 - n
+    dh_ref[c] = dh
+    bb = b_ref[c].astype(jnp.float32)
+    last = b_ref[c, pl.ds(chunk - 1, 1), :]
+    q_dec = q_ref[c].astype(jnp.float32) * jnp.exp(bb)
+    return dh * jnp.exp(last).reshape(-1, 1) + _dot(q_dec, do_ref[c], _TN, dtype)
+
+  dh0_ref[...] = lax.fori_loop(0, count, body, dfinal_ref[...].astype(jnp.float32))
+
+
+def _dv_kernel(valid_ref, q_ref, k_ref, b_ref, do_ref, dh_ref, dv_ref, *, chunk, dtype):
+  """dv_ref [C, BV]; q, k, b: [C, Dk]; do: [C, BV]; dh (after the chunk): [Dk, BV]."""
+  valid = valid_ref[pl.program_id(0)] > 0
+  last = _row(b_ref, chunk - 1)
+  dh = dh_ref[...]
+  for j in range(chunk // SUB):
+    k_end = _rows(k_ref, j) * jnp.exp(last - _rows(b_ref, j))
+    acc = _dot(k_end, dh, _NN, dtype)
+    for i in range(j, chunk // SUB):
+      a = _scores_block(q_ref, k_ref, b_ref, i, j, dtype)
+      acc = acc + _dot(a, do_ref[pl.ds(i * SUB, SUB), :], _TN, dtype)
+    dv_ref[pl.ds(j * SUB, SUB), :] = jnp.where(valid, acc, 0.0).astype(dv_ref.dtype)
+
+
+def _dqkb_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
+                 dq_ref, dk_ref, db_ref, *, chunk, dtype):
+  """dq, dk, db [C, BK] for one (chunk, head, Dk block).
+
+  q, k, b: [C, BK]; v, do: [C, Dv]; h (entering the chunk), dh (after it): [BK, Dv].
+  """
+  valid = valid_ref[pl.program_id(0)] > 0
+  ns = chunk // SUB
+  h, dh = h_ref[...], dh_ref[...]
+  last = _row(b_ref, chunk - 1)                                          # [1, BK]
+  rows, cols, row = _iota(0), _iota(1), _iota(0, 1)
+
+  # dA_ij = do_i v_j^T for j <= i (diagonal blocks masked to s <= t).
+  d_a = {}
+  for i in range(ns):
+    doi = do_ref[pl.ds(i * SUB, SUB), :]
+    for j in range(i + 1):
+      blk = _dot(doi, v_ref[pl.ds(j * SUB, SUB), :], _NT, dtype)
+      d_a[i, j] = jnp.where(rows >= cols, blk, 0.0) if i == j else blk
+
+  # Inter-chunk parts and dGamma.
+  dq, dk = [], []
+  d_gamma = jnp.exp(last) * jnp.sum(h * dh, axis=1).reshape(1, -1)
+  for i in range(ns):
+    bi = _rows(b_ref, i)
+    dq.append(jnp.exp(bi) * _dot(do_ref[pl.ds(i * SUB, SUB), :], h, _NT, dtype))
+    dk_inter = jnp.exp(last - bi) * _dot(v_ref[pl.ds(i * SUB, SUB), :], dh, _NT, dtype)
+    d_gamma = d_gamma + jnp.sum(_rows(k_ref, i) * dk_inter, axis=0, keepdims=True)
+    dk.append(dk_inter)
+
+  for i in range(ns):
+    qi, ki, bi = _rows(q_ref, i), _rows(k_ref, i), _rows(b_ref, i)
+    # Off-diagonal, anchored at the first row of i (dq) / last row of j (dk).
+    first = _row(b_ref, i * SUB)
+    for j in range(i):
+      k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
+      dq[i] = dq[i] + jnp.exp(bi - first) * _dot(d_a[i, j], k_t, _NN, dtype)
+      end_j = _row(b_ref, j * SUB + SUB - 1)
+      q_t = qi * jnp.exp(bi - end_j)
+      dk[j] = dk[j] + jnp.exp(end_j - _rows(b_ref, j)) * _dot(d_a[i, j], q_t, _TN, dtype)
+    # Diagonal block, one row at a time.
+    for s in range(SUB):
+      ks, bs = _row(k_ref, i * SUB + s), _row(b_ref, i * SUB + s)
+      col = jnp.sum(jnp.where(cols == s, d_a[i, i], 0.0), axis=1, keepdims=True)  # dA[:, s]
+      dq[i] = dq[i] + col * ks * _masked_exp(bi - bs, row >= s)
+      qt, bt = _row(q_ref, i * SUB + s), _row(b_ref, i * SUB + s)
+      d_row = jnp.sum(jnp.where(rows == s, d_a[i, i], 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
+      dk[i] = dk[i] + d_row * qt * _masked_exp(bt - bi, row <= s)
+
+  for i in range(ns):
+    qi, ki = _rows(q_ref, i), _rows(k_ref, i)
+    db = qi * dq[i] - ki * dk[i]
+    if i == ns - 1:
+      db = db + jnp.where(row == SUB - 1, d_gamma, 0.0)
+    sl = pl.ds(i * SUB, SUB)
+    dq_ref[sl, :] = jnp.where(valid, dq[i], 0.0).astype(dq_ref.dtype)
+    dk_ref[sl, :] = jnp.where(valid, dk[i], 0.0).astype(dk_ref.dtype)
+    db_ref[sl, :] = jnp.where(valid, db, 0.0).astype(db_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# pallas_call wrappers. Arrays: q, k, b [NC, C, H, Dk]; v [NC, C, H, Dv];
+# states [NC | Z, H, Dk, Dv]; tables int32 [Z] / [NC].
+
+
+def _params(bs: BlockSizes):
+  return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+
+
+def _whole(n):
+  return pl.BlockSpec((n,), lambda *_: (0,))
+
+
+def _states(k, v, b, h0, start, count, bs, interpret):
+  nc, c, h, dk = k.shape
+  dv = v.shape[-1]
+  z = h0.shape[0]
+  bk, bv = bs.tiles(dk, dv)
+  kernel = functools.partial(_state_kernel, chunk=c, dtype=k.dtype)
+  return pl.pallas_call(
+      kernel, grid=(z, h, dk // bk, dv // bv),
+      in_specs=[_whole(z), _whole(z),
+                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
+                pl.BlockSpec((nc, c, None, bv), lambda s, hh, i, j: (0, 0, hh, j)),
+                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
+                pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
+      out_specs=[pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j)),
+                 pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((z, h, dk, dv), jnp.float32)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_states",
+  )(start, count, k, v, b, h0)
+
+
+def _outputs(q, k, v, b, h_start, valid, bs, interpret):
+  nc, c, h, dk = q.shape
+  dv = v.shape[-1]
+  _, bv = bs.tiles(dk, dv)
+  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
+  kernel = functools.partial(_output_kernel, chunk=c, dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(nc, h, dv // bv),
+      in_specs=[_whole(nc), full_k, full_k,
+                pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
+                full_k,
+                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))],
+      out_specs=pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
+      out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      compiler_params=_params(bs), interpret=interpret, name="gla_outputs",
+  )(valid, q, k, v, b, h_start)
+
+
+def _dstates(q, do, b, dfinal, start, count, bs, interpret):
+  nc, c, h, dk = q.shape
+  dv = do.shape[-1]
+  z = dfinal.shape[0]
+  bk, bv = bs.tiles(dk, dv)
+  kernel = functools.partial(_dstate_kernel, chunk=c, dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(z, h, dk // bk, dv // bv),
+      in_specs=[_whole(z), _whole(z),
+                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
+                pl.BlockSpec((nc, c, None, bv), lambda s, hh, i, j: (0, 0, hh, j)),
+                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
+                pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
+      out_specs=[pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j)),
+                 pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((z, h, dk, dv), jnp.float32)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_dstates",
+  )(start, count, q, do, b, dfinal)
+
+
+def _dv(q, k, b, do, dh, valid, bs, interpret):
+  nc, c, h, dk = q.shape
+  dv = do.shape[-1]
+  _, bv = bs.tiles(dk, dv)
+  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
+  kernel = functools.partial(_dv_kernel, chunk=c, dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(nc, h, dv // bv),
+      in_specs=[_whole(nc), full_k, full_k, full_k,
+                pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
+                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))],
+      out_specs=pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
+      out_shape=jax.ShapeDtypeStruct(do.shape, do.dtype),
+      compiler_params=_params(bs), interpret=interpret, name="gla_dv",
+  )(valid, q, k, b, do, dh)
+
+
+def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
+  nc, c, h, dk = q.shape
+  dv = v.shape[-1]
+  bk, _ = bs.tiles(dk, dv)
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, i: (n, 0, hh, i))
+  full_v = pl.BlockSpec((None, c, None, dv), lambda n, hh, i: (n, 0, hh, 0))
+  state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, i: (n, hh, i, 0))
+  kernel = functools.partial(_dqkb_kernel, chunk=c, dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(nc, h, dk // bk),
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, full_v, full_v, state, state],
+      out_specs=[k_blk, k_blk, k_blk],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(b.shape, jnp.float32)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_dqkb",
+  )(valid, q, k, b, v, do, h_start, dh)
+
+
+# ----------------------------------------------------------------------------------
+# custom_vjp core over (q, k, v, b, h0) with static tables.
+
+
+def _valid_chunks(start, count, nc):
+  return chunked.covered_chunks(start, count, nc).astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _core(q, k, v, b, h0, start, count, bs, interpret):
+  valid = _valid_chunks(start, count, q.shape[0])
+  h_start, final = _states(k, v, b, h0, start, count, bs, interpret)
+  return _outputs(q, k, v, b, h_start, valid, bs, interpret), final
+
+
+def _core_fwd(q, k, v, b, h0, start, count, bs, interpret):
+  out = _core(q, k, v, b, h0, start, count, bs, interpret)
+  return out, (q, k, v, b, h0, start, count)
+
+
+def _core_bwd(bs, interpret, res, cot):
+  q, k, v, b, h0, start, count = res
+  do, dfinal = cot
+  valid = _valid_chunks(start, count, q.shape[0])
+  h_start, _ = _states(k, v, b, h0, start, count, bs, interpret)
+  do = do.astype(v.dtype)
+  dh, dh0 = _dstates(q, do, b, dfinal.astype(jnp.float32), start, count, bs, interpret)
+  dv = _dv(q, k, b, do, dh, valid, bs, interpret)
+  dq, dk, db = _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db,
+          dh0.astype(h0.dtype), None, None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def storage_dtype_for(dtype) -> jnp.dtype:
+  """16-bit inputs stay 16-bit (bf16 matmuls, fp32 accumulation); others run fp32."""
+  dtype = jnp.dtype(dtype)
+  return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
+_FORCE_INTERPRET: list[bool] = []
+
+
+@contextlib.contextmanager
+def force_interpret(value: bool = True):
+  """Traces inside this context run the kernels in interpret mode (or not).
+
+  For tests: the GPU test classes rerun themselves in interpret mode this way. It acts
+  at trace time, so use it around fresh `jit` traces.
+  """
+  _FORCE_INTERPRET.append(value)
+  try:
+    yield
+  finally:
+    _FORCE_INTERPRET.pop()
+
+
+def default_interpret() -> bool:
+  """Pallas-Triton kernels need a GPU; elsewhere they run in interpret mode."""
+  if _FORCE_INTERPRET:
+    return _FORCE_INTERPRET[-1]
+  return jax.default_backend() != "gpu"
+
+
+def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
+              interpret=None, storage_dtype=None):
+  """Pallas chunk core, same contract as `sse_jax.ops.chunked.chunk_gla`.
+
+  Args:
+    q, k, g: [B, NC, C, H, Dk]; v: [B, NC, C, H, Dv]; q already scaled. q, k, v are
+      cast to `storage_dtype` (default: q's dtype if 16-bit, else fp32): the dtype of
+      the matmul operands. g and everything accumulated are fp32.
+    h0: [Z, H, Dk, Dv]; seg_start, seg_chunks: int [Z] over the flattened B * NC chunks.
+    block_sizes: tiles; default BlockSizes(chunk=C).
+    interpret: run the kernels in interpret mode; default: when there is no GPU.
+  Returns:
+    o [B, NC, C, H, Dv] in v's dtype, final states [Z, H, Dk, Dv] fp32.
+  """
+  bsz, nc, c, h, dk = q.shape
+  block_sizes = block_sizes or BlockSizes(chunk=c)
+  if c != block_sizes.chunk:
+    raise ValueError(f"chunk length {c} != block_sizes.chunk={block_sizes.chunk}")
+  block_sizes.tiles(dk, v.shape[-1])
+  interpret = default_interpret() if interpret is None else interpret
+  flat = lambda x: x.reshape((bsz * nc,) + x.shape[2:])
+  dtype = storage_dtype or storage_dtype_for(q.dtype)
+  q, k, v = (flat(x).astype(dtype) for x in (q, k, v))
+  b = jnp.cumsum(flat(g).astype(jnp.float32), axis=1)
+  o, final = _core(q, k, v, b, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
+                   seg_chunks.astype(jnp.int32), block_sizes, interpret)
+  return o.reshape((bsz, nc) + o.shape[1:]), final
+
+
+reference = chunked.chunk_gla  # the XLA core these kernels must match
