@@ -1,0 +1,30 @@
+"""Flax NNX layers: the SSE and GLA linear-attention mixers, softmax attention,
+SwiGLU, RMSNorm and the pre-norm block (shapes [B, T, D] throughout).
+
+    from sse_jax.layers import SSE, SSEConfig
+    layer = SSE(SSEConfig(hidden=256, num_heads=4), rngs=nnx.Rngs(0))
+    out = layer(x)                 # MixerOutput(y, cache, aux_loss, usage)
+"""
+
+from sse_jax.layers.attention import Attention, AttentionConfig, KVCache
+from sse_jax.layers.block import Block, MixerConfig, REMAT_POLICIES, make_mixer
+from sse_jax.layers.features import ACTIVATIONS, activate
+from sse_jax.layers.gla import GLA, GLAConfig
+from sse_jax.layers.linear import LinearAttentionConfig, RecurrentCache
+from sse_jax.layers.lowrank import DecayGate, LowRank
+from sse_jax.layers.mixer import MixerOutput
+from sse_jax.layers.mlp import MLPConfig, SwiGLU
+from sse_jax.layers.norm import RMSNorm
+from sse_jax.layers.params import LOGICAL_AXIS_RULES, Einsum
+from sse_jax.layers.rope import apply_rope
+from sse_jax.layers.router import Router, Routing, load_balance
+from sse_jax.layers.short_conv import ShortConv
+from sse_jax.layers.sse import SSE, SSEConfig
+
+__all__ = [
+    "ACTIVATIONS", "Attention", "AttentionConfig", "Block", "DecayGate", "Einsum", "GLA",
+    "GLAConfig", "KVCache", "LOGICAL_AXIS_RULES", "LinearAttentionConfig", "LowRank",
+    "MLPConfig", "MixerConfig", "MixerOutput", "REMAT_POLICIES", "RMSNorm",
+    "RecurrentCache", "Router", "Routing", "SSE", "SSEConfig", "ShortConv", "SwiGLU",
+    "activate", "apply_rope", "load_balance", "make_mixer",
+]

@@ -1,0 +1,80 @@
+"""The GLA mixer: the dense baseline, i.e. the SSE layer with N = 1 and no routing.
+
+    q = phi_q(x W_q), k = phi_k(x W_k), v = phi_v(x W_v)   [B, T, H, Dk / Dv]
+    g = log_sigmoid(x W_g1 W_g2 + b) / 16                  [B, T, H, Dk]
+    S_t = diag(exp g_t) S_{t-1} + k_t^T v_t,   o_t = Dk^-1/2 q_t S_t   (ops.gla)
+    y = (RMSNorm_head(o) * silu(x W_gate)) W_o             [B, T, D]
+
+(optionally with a short conv on the projections, see `LinearAttentionConfig`).
+Its parameters have the same names and shapes as the SSE mixer's minus the router, so
+an SSE layer with num_partitions = 1, top_k = 1 and no shared partition computes the
+same function (its router probability is exactly 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sse_jax import ops
+from sse_jax.layers import features
+from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead, QKV
+from sse_jax.layers.linear import RecurrentCache
+from sse_jax.layers.lowrank import DecayGate
+
+
+@dataclasses.dataclass(frozen=True)
+class GLAConfig(LinearAttentionConfig):
+  """GLA mixer config (fields in `LinearAttentionConfig`); fla GLA defaults: identity
+  feature maps, `impl` "chunk" (or "scan", the reference)."""
+
+  def allowed_impls(self) -> tuple[str, ...]:
+    return tuple(i.value for i in ops.GLA_IMPLS)
+
+
+def run_gla(q, k, v, g, state, *, impl: str, chunk_size: int, decode: bool):
+  """ops.gla over [B, T, H, D] inputs, or one decode step when `decode` (T == 1).
+
+  `state` None: a fresh sequence, no final state returned. Returns (o, state or None).
+  """
+  if decode:
+    o, state = ops.gla_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], state)
+    return o[:, None], state
+  return ops.gla(q, k, v, g, initial_state=state, output_final_state=state is not None,
+                 impl=impl, chunk_size=chunk_size)
+
+
+class GLA(LinearMixer):
+  """GLA mixer: x [B, T, D] -> MixerOutput(y [B, T, D], cache).
+
+  Cache state: float32 [B, H, Dk, Dv].
+  """
+
+  def __init__(self, config: GLAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+               param_dtype=jnp.float32):
+    config.validate()
+    self.config = config
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    c = config
+    self.qkv = QKV(c, **kw)
+    self.decay = DecayGate(c.hidden, c.gate_rank, c.num_heads, c.head_k, c.gate_normalizer,
+                           **kw)
+    self.out = OutputHead(c, **kw)
+
+  def zero_state(self, batch: int) -> jax.Array:
+    c = self.config
+    return jnp.zeros((batch, c.num_heads, c.head_k, c.head_v), jnp.float32)
+
+  def attend(self, x: jax.Array, cache: RecurrentCache | None = None):
+    c = self.config
+    q, k, v, conv = self.qkv(x, None if cache is None else cache.conv)
+    q = features.activate(c.query_activation, q)
+    k = features.activate(c.key_activation, k)
+    v = features.activate(c.value_activation, v)
+    state = None if cache is None else cache.state
+    o, state = run_gla(q, k, v, self.decay(x), state, impl=c.impl, chunk_size=c.chunk_size,
+                       decode=cache is not None and x.shape[1] == 1)
+    return o, (None if cache is None else RecurrentCache(state, conv)), None

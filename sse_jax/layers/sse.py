@@ -1,0 +1,217 @@
+"""The SSE mixer: Sparse State Expansion linear attention (SPEC sections 1-2).
+
+For x [B, T, D], H heads with key dim Dk and value dim Dv:
+
+    e_t  = softmax(x_t W_e)  (float32)                 router over N partitions
+    T_t  = TopK(e_t, k)      (weights e_t^i, NOT renormalised)
+    q_t  = phi_q(x_t W_q),  k_t = phi_k(x_t W_k),  v_t = phi_v(x_t W_v)   shared W_q/k/v
+    g_t  = log_sigmoid(x_t W_g1 W_g2 + b) / 16                           log decay
+    S_t^i = diag(exp g_t) S_{t-1}^i + w_t^i k_t^T v_t   if i in T_t  (else S^i unchanged:
+                                                        no decay when not selected)
+    o_t  = sum_{i in T_t} r_t^i Dk^-1/2 q_t S_t^i  +  Dk^-1/2 q'_t S_t^0
+    y_t  = (RMSNorm_head(o_t) * silu(x_t W_gate)) W_o
+
+Gate placement (Table 7): (w, r) = (e, e) "both", (e, 1) "write", (1, e) "read",
+(1, 1) "none". With "none" the router's probabilities never multiply anything in the
+forward pass and the top-k indices are piecewise constant, so the router gets NO
+gradient from the language-model loss: W_e is trained only by the load-balance loss
+(through p_i). Separate write and read sets (`num_writers` / `num_readers`, the
+official code's) use the top-`num_writers` partitions for T_t in the state update and
+the top-`num_readers` for the read.
+
+Shared partition S^0 (always on, weight 1, sharing v). `lora_target`:
+  "shared" (paper): q' = phi_q(x W_q + LoRA_q(x)), k' = phi_k(x W_k + LoRA_k(x)); the
+     routed partitions use the plain q, k; one decay gate g for all.
+  "routed" (official code): the routed partitions use the LoRA-adapted q, k and the
+     shared partition the plain ones; the shared partition has its own decay gate.
+LoRA_*(x) = x A B with rank `lora_rank` (B zero-initialised, so the two start equal);
+rank 0 disables it. With a short conv the LoRA is added after the conv + SiLU, before
+the feature map. (The paper writes q' = q + LoRA_q(x): identical for the default
+identity query map.)
+
+Degenerate cases:
+  num_partitions = 1 (top_k = 1): e_t = 1 exactly, so the routed part is one GLA state
+    with weight 1 -- without the shared partition the layer computes exactly the GLA
+    mixer with the same parameters (`sse_jax.layers.GLA`); the router gets no
+    gradient and the load-balance loss is the constant 1.
+  top_k = num_partitions: every partition decays and is written every step; with
+    gate "none" the routed output is N times the GLA output of the same q, k, v, g.
+
+share_partition_params=False (Table 8's MoM-like control): W_q, W_k, W_v become
+[D, P, H, D*] with P = N (+1 for the shared partition, which then has its own
+projections instead of a LoRA; `lora_rank` is unused) and the layer runs the masked
+per-partition path of `per_partition` (one `ops.gla` call over P x H folded heads,
+cost ~P x dense; `impl` "scan" uses the GLA scan reference, any other value the
+chunked GLA). Decoding then updates all P folded states (unselected ones with the
+identity).
+
+Cache state (`init_cache`): shared params: routed float32 [B, N, H, Dk, Dv], and
+with the shared partition a tuple (routed, shared [B, H, Dk, Dv]) -- the layout of
+`ops.sse`; per-partition params: [B, P H, Dk, Dv].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sse_jax import ops
+from sse_jax.layers import features
+from sse_jax.layers import validation as check
+from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead, QKV
+from sse_jax.layers.linear import RecurrentCache
+from sse_jax.layers.lowrank import DecayGate, LowRank
+from sse_jax.layers.per_partition import per_partition_sse
+from sse_jax.layers.router import Router
+
+LORA_TARGETS = ("shared", "routed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SSEConfig(LinearAttentionConfig):
+  """SSE mixer config: the `LinearAttentionConfig` fields plus
+
+  num_partitions: N routed partitions. top_k: k selected per token (1 <= k <= N).
+  num_writers / num_readers: separate write / read set sizes; None = top_k.
+  gate_placement: "both" | "write" | "read" | "none".
+  shared_partition: add the always-on shared partition S^0.
+  lora_rank / lora_target: the shared-partition LoRA ("shared" paper, "routed"
+    official), see the module docstring.
+  share_partition_params: one W_q/W_k/W_v for all partitions (the paper) or one per
+    partition (Table 8 control).
+  Defaults: key_activation "softmax" (paper), impl "varlen".
+  """
+
+  key_activation: str = "softmax"
+  impl: str = "varlen"
+  num_partitions: int = 4
+  top_k: int = 1
+  num_writers: int | None = None
+  num_readers: int | None = None
+  gate_placement: str = "both"
+  shared_partition: bool = True
+  lora_rank: int = 64
+  lora_target: str = "shared"
+  share_partition_params: bool = True
+
+  @property
+  def writers(self) -> int:
+    return self.top_k if self.num_writers is None else self.num_writers
+
+  @property
+  def readers(self) -> int:
+    return self.top_k if self.num_readers is None else self.num_readers
+
+  def allowed_impls(self) -> tuple[str, ...]:
+    return tuple(i.value for i in ops.SSE_IMPLS)
+
+  def validate(self) -> None:
+    super().validate()
+    name = "SSEConfig"
+    check.positive_int(name, "num_partitions", self.num_partitions)
+    n = self.num_partitions
+    for field in ("top_k", "num_writers", "num_readers"):
+      value = getattr(self, field)
+      check.optional_positive_int(name, field, value)
+      if value is not None and value > n:
+        check.fail(name, field, value, f"must be <= num_partitions={n}")
+    check.choice(name, "gate_placement", self.gate_placement, [g.value for g in ops.Gate])
+    check.boolean(name, "shared_partition", self.shared_partition)
+    check.nonnegative_int(name, "lora_rank", self.lora_rank)
+    check.choice(name, "lora_target", self.lora_target, LORA_TARGETS)
+    check.boolean(name, "share_partition_params", self.share_partition_params)
+
+
+class SSE(LinearMixer):
+  """SSE mixer: x [B, T, D] -> MixerOutput(y [B, T, D], cache, aux_loss, usage).
+
+  Module docstring for the equations. `dtype` is the compute dtype of projections,
+  feature maps and the output (y has it); the router runs in float32 with a float32
+  W_e whatever `param_dtype`; recurrent states are float32.
+  """
+
+  def __init__(self, config: SSEConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+               param_dtype=jnp.float32):
+    config.validate()
+    self.config = config
+    c = config
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.router = Router(c.hidden, c.num_partitions, c.writers, c.readers, rngs=rngs)
+    slots = c.num_partitions + int(c.shared_partition)
+    self.qkv = QKV(c, copies=None if c.share_partition_params else slots, **kw)
+    gate = lambda: DecayGate(c.hidden, c.gate_rank, c.num_heads, c.head_k,
+                             c.gate_normalizer, **kw)
+    self.decay = gate()
+    self.shared_decay = gate() if c.shared_partition and c.lora_target == "routed" else None
+    lora = c.shared_partition and c.lora_rank > 0 and c.share_partition_params
+    lowrank = lambda: LowRank(c.hidden, c.lora_rank, c.num_heads, c.head_k, zero_init=True,
+                              **kw)
+    self.lora_q = lowrank() if lora else None
+    self.lora_k = lowrank() if lora else None
+    self.out = OutputHead(c, **kw)
+
+  def zero_state(self, batch: int):
+    c = self.config
+    head = (c.num_heads, c.head_k, c.head_v)
+    if not c.share_partition_params:
+      slots = c.num_partitions + int(c.shared_partition)
+      return jnp.zeros((batch, slots * c.num_heads) + head[1:], jnp.float32)
+    routed = jnp.zeros((batch, c.num_partitions) + head, jnp.float32)
+    if not c.shared_partition:
+      return routed
+    return routed, jnp.zeros((batch,) + head, jnp.float32)
+
+  def attend(self, x: jax.Array, cache: RecurrentCache | None = None):
+    c = self.config
+    decode = cache is not None and x.shape[1] == 1
+    state = None if cache is None else cache.state
+    q, k, v, conv = self.qkv(x, None if cache is None else cache.conv)
+    routing = self.router(x)
+    g = self.decay(x)
+    g0 = g if self.shared_decay is None else self.shared_decay(x)
+    if c.share_partition_params:
+      o, state = self._shared_params(x, q, k, v, g, g0, routing, state, decode)
+    else:
+      q, k = self._activate_qk(q, k)
+      o, state = per_partition_sse(
+          q, k, features.activate(c.value_activation, v), g, g0, routing, state,
+          num_partitions=c.num_partitions, gate=c.gate_placement,
+          shared=c.shared_partition, impl=c.impl, chunk_size=c.chunk_size, decode=decode)
+    return o, (None if cache is None else RecurrentCache(state, conv)), routing
+
+  def _activate_qk(self, q, k):
+    c = self.config
+    return features.activate(c.query_activation, q), features.activate(c.key_activation, k)
+
+  def _shared_params(self, x, q, k, v, g, g0, routing, state, decode):
+    """The paper's layer: shared W_q/W_k/W_v, one ops.sse call (or decode step)."""
+    c = self.config
+    v = features.activate(c.value_activation, v)
+    q_r, k_r = self._activate_qk(q, k)
+    shared = None
+    if c.shared_partition:
+      q0, k0 = q_r, k_r
+      if self.lora_q is not None:
+        adapted = self._activate_qk(q + self.lora_q(x), k + self.lora_k(x))
+        if c.lora_target == "shared":
+          q0, k0 = adapted
+        else:
+          q_r, k_r = adapted
+      shared = (q0, k0, g0)
+    r = routing
+    if decode:
+      first = lambda z: None if z is None else z[:, 0]
+      o, state = ops.sse_decode_step(
+          *(first(z) for z in (q_r, k_r, v, g, r.write_weights, r.write_indices)), state,
+          gate=c.gate_placement, read_weights=first(r.read_weights),
+          read_indices=first(r.read_indices),
+          shared=None if shared is None else tuple(first(z) for z in shared))
+      return o[:, None], state
+    return ops.sse(q_r, k_r, v, g, r.write_weights, r.write_indices,
+                   num_partitions=c.num_partitions, gate=c.gate_placement,
+                   initial_state=state, output_final_state=state is not None,
+                   impl=c.impl, chunk_size=c.chunk_size, shared=shared,
+                   read_weights=r.read_weights, read_indices=r.read_indices)

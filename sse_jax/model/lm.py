@@ -1,0 +1,97 @@
+"""LanguageModel: embedding -> pre-norm blocks (pattern of SSE / GLA / attention) ->
+RMSNorm -> logits in float32.
+
+    x_0 = E[tokens]                              [B, T, D]
+    x_l = Block_l(x_{l-1})                       l = 1..L
+    logits = RMSNorm(x_L) E^T  (or W_head)       [B, T, V], float32
+    aux_loss = aux_loss_coef * sum_{SSE layers} N/k sum_i f_i p_i
+
+Training: `out = model(tokens)`; loss = cross_entropy(out.logits, targets) +
+out.aux_loss. Decoding: `cache = model.init_cache(B, max_len)`, then
+`out = model(tokens, cache=cache)` (a prompt: chunked prefill; one token: a decode
+step) returns the updated cache in `out.cache`; see `sse_jax.generate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sse_jax.layers import params
+from sse_jax.layers.block import Block
+from sse_jax.layers.norm import RMSNorm
+from sse_jax.model.config import ModelConfig
+
+
+class ModelOutput(NamedTuple):
+  """logits: float32 [B, T, V].
+  aux_loss: float32 scalar, aux_loss_coef * (sum of the SSE layers' load-balance
+    losses): add it to the LM loss as is.
+  router_usage: one float32 [N] per SSE layer (in layer order, see
+    `LanguageModel.routed_layers`): fraction of tokens whose write set holds partition i.
+  router_aux: the unscaled per-SSE-layer load-balance losses.
+  cache: the updated per-layer caches when a cache was passed, else None.
+  """
+
+  logits: jax.Array
+  aux_loss: jax.Array
+  router_usage: tuple[jax.Array, ...]
+  router_aux: tuple[jax.Array, ...]
+  cache: tuple[Any, ...] | None = None
+
+
+class LanguageModel(nnx.Module):
+  """tokens int [B, T] -> ModelOutput. `dtype` is the compute dtype, `param_dtype` the
+  storage dtype of the parameters (the SSE routers are always float32)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+               param_dtype=jnp.float32):
+    config.validate()
+    self.config = config
+    self.dtype = dtype
+    v, d = config.vocab_size, config.hidden
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.embed = params.param(rngs, params.default_init, (v, d), ("vocab", "embed"),
+                              param_dtype)
+    self.blocks = nnx.List([
+        Block(config.mixer_config(letter), config.mlp, norm_eps=config.norm_eps,
+              remat=config.remat, **kw) for letter in config.pattern])
+    self.final_norm = RMSNorm(d, eps=config.norm_eps, **kw)
+    self.lm_head = (None if config.tie_embeddings else
+                    params.param(rngs, params.default_init, (d, v), ("embed", "vocab"),
+                                 param_dtype))
+
+  @property
+  def routed_layers(self) -> tuple[int, ...]:
+    """Indices of the SSE layers, the order of `router_usage` / `router_aux`."""
+    return tuple(i for i, letter in enumerate(self.config.pattern) if letter == "S")
+
+  def init_cache(self, batch: int, max_len: int) -> tuple[Any, ...]:
+    """Per-layer caches: RecurrentCache (SSE / GLA states, conv states) or KVCache
+    (attention, `max_len` positions)."""
+    return tuple(block.init_cache(batch, max_len) for block in self.blocks)
+
+  def __call__(self, tokens: jax.Array, *, cache: tuple[Any, ...] | None = None
+               ) -> ModelOutput:
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+    caches, usage, aux = [], [], []
+    for i, block in enumerate(self.blocks):
+      out = block(x, None if cache is None else cache[i])
+      x = out.y
+      caches.append(out.cache)
+      if out.aux_loss is not None:
+        aux.append(out.aux_loss)
+        usage.append(out.usage)
+    h = self.final_norm(x)
+    if self.lm_head is None:
+      head, eqn = self.embed[...], "btd,vd->btv"
+    else:
+      head, eqn = self.lm_head[...], "btd,dv->btv"
+    logits = jnp.einsum(eqn, h, head.astype(self.dtype),
+                        preferred_element_type=jnp.float32)
+    total = sum(aux, jnp.zeros((), jnp.float32))
+    return ModelOutput(logits, self.config.aux_loss_coef * total, tuple(usage), tuple(aux),
+                       None if cache is None else tuple(caches))
