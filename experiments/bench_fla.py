@@ -1,0 +1,133 @@
+r"""Peer timings in PyTorch: fla's `chunk_gla` and SSE ops built on it.
+
+    python -m experiments.bench_fla --out=results/bench_ops/bench_fla.json
+
+Run by `experiments.bench_ops` in a separate process (PyTorch and JAX then do not
+share the GPU's memory pools). Needs torch with CUDA and `fla` (flash-linear-attention
+0.6.0). The SSE ops follow the description of the authors' layer (SPEC section 6):
+  mask:   replicate q/k/v/g over the N routed + 1 shared partitions, zero k and q and
+          set g = 0 where a partition is not selected, fold partitions into heads, one
+          `chunk_gla` call, sum over partitions;
+  varlen: sort (token, partition) slots by (sequence, partition, position), drop empty
+          segments, prepend the shared partition's sequences, one varlen `chunk_gla`
+          call, scatter-add the outputs back.
+Same setting and timing rule as bench_ops: bf16, cu_seqlens = [0, L/2, L], median of
+CUDA-event-timed forward+backward runs after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--lengths", default="2048,8192,32768")
+  parser.add_argument("--partitions", default="4,8,16")
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--dim", type=int, default=128)
+  parser.add_argument("--top_k", type=int, default=1)
+  parser.add_argument("--reps", type=int, default=20)
+  args = parser.parse_args()
+
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
+  from fla.ops.gla import chunk_gla  # pylint: disable=g-import-not-at-top
+
+  dev = "cuda"
+  h, d, top_k = args.heads, args.dim, args.top_k
+
+  def inputs(length, n):
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    shape = (1, length, h, d)
+    x = dict(q=rnd(*shape).bfloat16(), k=rnd(*shape).softmax(-1).bfloat16(),
+             v=rnd(*shape).bfloat16(), g=F.logsigmoid(rnd(*shape)) / 16,
+             q0=rnd(*shape).bfloat16(), k0=rnd(*shape).softmax(-1).bfloat16(),
+             cot=rnd(*shape).bfloat16())
+    w, idx = rnd(1, length, n).softmax(-1).topk(top_k, dim=-1)
+    x.update(w=w, idx=idx, cu=torch.tensor([0, length // 2, length], device=dev))
+    for name in ("q", "k", "v", "g", "w"):
+      x[name].requires_grad_(True)
+    return x
+
+  def dense(x, n):
+    del n
+    return chunk_gla(x["q"], x["k"], x["v"], x["g"], cu_seqlens=x["cu"])[0]
+
+  def mask(x, n):
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    onehot = F.one_hot(x["idx"], n).to(torch.float32)                      # [1,T,K,N]
+    sel = onehot.sum(2)
+    wd = (onehot * x["w"][..., None]).sum(2)
+    col = lambda a: a[..., None, None]
+    qm = torch.cat([(q[:, :, None] * col(wd)).bfloat16(), x["q0"][:, :, None]], 2)
+    km = torch.cat([(k[:, :, None] * col(wd)).bfloat16(), x["k0"][:, :, None]], 2)
+    gm = torch.cat([g[:, :, None] * col(sel), g[:, :, None]], 2)
+    vm = v[:, :, None].expand(-1, -1, n + 1, -1, -1)
+    t = q.shape[1]
+    fold = lambda a: a.reshape(1, t, (n + 1) * h, -1)
+    o = chunk_gla(fold(qm), fold(km), fold(vm.contiguous()), fold(gm), cu_seqlens=x["cu"])[0]
+    return o.view(1, t, n + 1, h, -1).sum(2)
+
+  def varlen(x, n):
+    q, k, v, g, w, idx, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["w"][0], x["idx"][0], x["cu"]
+    t = q.shape[0]
+    seq = torch.searchsorted(cu[1:], torch.arange(t, device=dev), right=True)
+    key = (seq[:, None] * n + idx).reshape(-1)                            # [T*K]
+    order = torch.sort(key, stable=True).indices
+    tok = order // top_k
+    counts = torch.bincount(key, minlength=(cu.numel() - 1) * n)
+    counts = counts[counts > 0]
+    wflat = w.reshape(-1)[order][:, None, None]
+    qp = torch.cat([x["q0"][0], (q[tok] * wflat).bfloat16()])
+    kp = torch.cat([x["k0"][0], (k[tok] * wflat).bfloat16()])
+    vp = torch.cat([v, v[tok]])
+    gp = torch.cat([g, g[tok]])
+    cu_p = torch.cat([cu, t + torch.cumsum(counts, 0)])
+    op = chunk_gla(qp[None], kp[None], vp[None], gp[None], cu_seqlens=cu_p)[0][0]
+    out = op[:t].float().index_add(0, tok, op[t:].float())
+    return out[None].bfloat16()
+
+  def time_fb(fn, x, n):
+    def run():
+      for name in ("q", "k", "v", "g", "w"):
+        x[name].grad = None
+      o = fn(x, n)
+      (o.float() * x["cot"].float()).sum().backward()
+    for _ in range(3):
+      run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.reps):
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      run()
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+  rows = []
+  for length in (int(v) for v in args.lengths.split(",")):
+    x = inputs(length, 4)
+    ms = time_fb(dense, x, 4)
+    rows.append(dict(source="fla (torch)", op="gla", impl="chunk_gla", length=length,
+                     n=None, fwd_bwd_ms=ms))
+    print(f"fla chunk_gla L={length} fwd+bwd {ms:.3f} ms", flush=True)
+    for n in (int(v) for v in args.partitions.split(",")):
+      x = inputs(length, n)
+      for name, fn in (("mask", mask), ("varlen", varlen)):
+        ms = time_fb(fn, x, n)
+        rows.append(dict(source="fla (torch)", op="sse", impl=f"fla_{name}",
+                         length=length, n=n, fwd_bwd_ms=ms))
+        print(f"fla sse {name} L={length} N={n} fwd+bwd {ms:.3f} ms", flush=True)
+  pathlib.Path(args.out).write_text(json.dumps(dict(rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,276 @@
+r"""Times the GLA / SSE op implementations at the paper's Fig. 6 setting.
+
+    python -m experiments.bench_ops                       # full grid (GPU)
+    python -m experiments.bench_ops --lengths=2048 --partitions=4 --reps=5   # quick
+
+Setting (SPEC section 3): bf16, 8 heads, head dim 128, K = 1, B = 1 with
+cu_seqlens = [0, L/2, L]; SSE timings include the always-on shared partition (fused in
+the same chunked call, as the authors' op does). Times are medians over `--reps` runs
+under `jit`, after warm-up, each ended by `block_until_ready`; "fwd+bwd" is the gradient
+of sum(o * cotangent) w.r.t. q, k, v, g (and the router weights for SSE).
+
+With `--check_length`, relative errors of o and every gradient against the float32
+`lax.scan` reference are measured at that length (bf16 inputs upcast for the
+reference). When `fla` (flash-linear-attention) is importable, `experiments.bench_fla`
+runs in a separate process and its rows join the table.
+
+Writes `<out>/bench_ops.json`, `<out>/bench_ops.md` and `<out>/bench_ops.png`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sse_jax import ops
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths L.")
+flags.DEFINE_list("partitions", ["4", "8", "16"], "Numbers of partitions N.")
+flags.DEFINE_list("gla_impls", ["chunk", "pallas_chunk"], "Dense GLA impls.")
+flags.DEFINE_list("sse_impls", ["loop", "masking", "varlen", "pallas_masking",
+                                "pallas_varlen"], "SSE impls.")
+flags.DEFINE_integer("loop_max_length", 8192, "Skip the slow 'loop' impl above this L.")
+flags.DEFINE_integer("heads", 8, "Heads H.")
+flags.DEFINE_integer("dim", 128, "Head dim Dk = Dv.")
+flags.DEFINE_integer("top_k", 1, "K.")
+flags.DEFINE_integer("reps", 20, "Timed repetitions (median reported).")
+flags.DEFINE_integer("warmup", 3, "Untimed runs after compilation.")
+flags.DEFINE_integer("check_length", 0, "Measure errors vs the fp32 scan at this L (0: off).")
+flags.DEFINE_bool("fla", True, "Also run experiments.bench_fla when fla is importable.")
+flags.DEFINE_bool("memory", False, "Also record compiled temporary memory (recompiles).")
+flags.DEFINE_string("from_json", "", "Only redraw table and plot from saved bench_ops.json"
+                    " (merging <out>/bench_fla.json when present).")
+flags.DEFINE_string("out", "results/bench_ops", "Output directory.")
+
+
+def make_inputs(length, n, heads, dim, top_k, seed=0, dtype=jnp.bfloat16):
+  """Random bf16 inputs shaped like an SSE layer's: softmax keys, GLA-style gates."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 8)
+  shape = (1, length, heads, dim)
+  q = jax.random.normal(keys[0], shape, dtype)
+  k = jax.nn.softmax(jax.random.normal(keys[1], shape, jnp.float32), -1).astype(dtype)
+  v = jax.random.normal(keys[2], shape, dtype)
+  g = jax.nn.log_sigmoid(jax.random.normal(keys[3], shape, jnp.float32)) / 16
+  q0 = jax.random.normal(keys[4], shape, dtype)
+  k0 = jax.nn.softmax(jax.random.normal(keys[5], shape, jnp.float32), -1).astype(dtype)
+  probs = jax.nn.softmax(jax.random.normal(keys[6], (1, length, n), jnp.float32), -1)
+  w, idx = jax.lax.top_k(probs, top_k)
+  cot = jax.random.normal(keys[7], (1, length, heads, dim), dtype)
+  cu = jnp.asarray([0, length // 2, length], jnp.int32)
+  return dict(q=q, k=k, v=v, g=g, q0=q0, k0=k0, w=w, idx=idx, cot=cot, cu=cu)
+
+
+def op_fn(op, impl, n):
+  """(forward, forward+backward) functions of the input dict."""
+  if op == "gla":
+    def fwd(x, q, k, v, g, w):
+      return ops.gla(q, k, v, g, cu_seqlens=x["cu"], impl=impl)[0]
+  else:
+    def fwd(x, q, k, v, g, w):
+      return ops.sse(q, k, v, g, w, x["idx"], num_partitions=n, cu_seqlens=x["cu"],
+                     impl=impl, shared=(x["q0"], x["k0"], g))[0]
+
+  def forward(x):
+    return fwd(x, x["q"], x["k"], x["v"], x["g"], x["w"])
+
+  def loss(q, k, v, g, w, x):
+    o = fwd(x, q, k, v, g, w)
+    return jnp.sum(o.astype(jnp.float32) * x["cot"].astype(jnp.float32))
+
+  def forward_backward(x):
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x["q"], x["k"], x["v"], x["g"],
+                                                   x["w"], x)
+  return jax.jit(forward), jax.jit(forward_backward)
+
+
+def time_fn(fn, x, reps, warmup):
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(x))
+  compile_s = time.perf_counter() - t0
+  for _ in range(warmup):
+    jax.block_until_ready(fn(x))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(x))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), compile_s
+
+
+def temp_mib(fn, x):
+  try:
+    mem = fn.lower(x).compile().memory_analysis()
+    return mem.temp_size_in_bytes / 2**20
+  except Exception:  # memory_analysis is not available on every backend
+    return float("nan")
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def errors(op, impl, n, x):
+  """Relative errors of o and the gradients against the fp32 scan reference."""
+  fwd, fb = op_fn(op, impl, n)
+  rfwd, rfb = op_fn(op, "scan", n)
+  x32 = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+         for k, v in x.items()}
+  out = {"o": rel_err(fwd(x), rfwd(x32))}
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dw"), fb(x), rfb(x32)):
+    if op == "gla" and name == "dw":
+      continue
+    out[name] = rel_err(a, b)
+  return out
+
+
+def run_fla(out_dir):
+  """Runs the PyTorch / fla peer benchmark in its own process; returns its rows."""
+  try:
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    if importlib.util.find_spec("fla") is None or importlib.util.find_spec("torch") is None:
+      print("fla or torch not importable: peer rows skipped")
+      return []
+  except Exception:  # pragma: no cover
+    return []
+  path = pathlib.Path(out_dir) / "bench_fla.json"
+  cmd = [sys.executable, "-m", "experiments.bench_fla", f"--out={path}",
+         f"--lengths={','.join(FLAGS.lengths)}", f"--partitions={','.join(FLAGS.partitions)}",
+         f"--heads={FLAGS.heads}", f"--dim={FLAGS.dim}", f"--top_k={FLAGS.top_k}",
+         f"--reps={FLAGS.reps}"]
+  print("running", " ".join(cmd), flush=True)
+  proc = subprocess.run(cmd, check=False)
+  if proc.returncode != 0 or not path.exists():
+    print(f"bench_fla failed (exit {proc.returncode}): peer rows skipped")
+    return []
+  return json.loads(path.read_text())["rows"]
+
+
+def plot(rows, path, meta):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  series = {}
+  for r in rows:
+    if r.get("fwd_bwd_ms") is None:
+      continue
+    label = r["impl"] if r["op"] == "gla" else f"{r['impl']} N={r['n']}"
+    series.setdefault((r["source"], label), []).append((r["length"], r["fwd_bwd_ms"]))
+  styles = {4: "-", 8: "--", 16: ":"}
+  for (source, label), pts in sorted(series.items()):
+    pts.sort()
+    n = int(label.split("N=")[1]) if "N=" in label else None
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(n, "-"), marker="o",
+            label=f"{label} ({source})", linewidth=1.5 if source == "sse-jax" else 1.0)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("sequence length L (cu_seqlens = [0, L/2, L])")
+  ax.set_ylabel("forward + backward (ms, median)")
+  ax.set_title(f"GLA / SSE ops, bf16, H={meta['heads']}, D={meta['dim']}, "
+               f"K={meta['top_k']}, {meta['device']}")
+  ax.legend(fontsize=6, ncol=2)
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=130)
+
+
+def markdown(rows):
+  lines = ["| source | op | impl | L | N | fwd ms | fwd+bwd ms | temp MiB | compile s |"
+           " GB/s (dense) |", "|---|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda v, f="{:.2f}": "-" if v is None or v != v else f.format(v)
+  for r in rows:
+    lines.append(f"| {r['source']} | {r['op']} | {r['impl']} | {r['length']} | "
+                 f"{r.get('n') or '-'} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('fwd_bwd_ms'))} | "
+                 f"{fmt(r.get('temp_mib'), '{:.0f}')} | {fmt(r.get('compile_s'), '{:.1f}')} |"
+                 f" {fmt(r.get('achieved_GBps'), '{:.0f}')} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  out = pathlib.Path(FLAGS.out)
+  out.mkdir(parents=True, exist_ok=True)
+  if FLAGS.from_json:
+    saved = json.loads(pathlib.Path(FLAGS.from_json).read_text())
+    fla = out / "bench_fla.json"
+    rows = [r for r in saved["rows"] if r["source"] == "sse-jax"]
+    rows += json.loads(fla.read_text())["rows"] if fla.exists() else []
+    return report(rows, saved["meta"], out)
+  lengths = [int(v) for v in FLAGS.lengths]
+  parts = [int(v) for v in FLAGS.partitions]
+  device = jax.devices()[0].device_kind
+  print(f"device: {device}, jax {jax.__version__}", flush=True)
+  rows = []
+  meta = dict(device=device, jax=jax.__version__, heads=FLAGS.heads, dim=FLAGS.dim,
+              top_k=FLAGS.top_k, reps=FLAGS.reps,
+              command="python -m experiments.bench_ops " + " ".join(sys.argv[1:]))
+
+  def save(rows):
+    (out / "bench_ops.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+  def record(op, impl, length, n, x):
+    fwd, fb = op_fn(op, impl, n)
+    t_fwd, _ = time_fn(fwd, x, FLAGS.reps, FLAGS.warmup)
+    t_fb, c_fb = time_fn(fb, x, FLAGS.reps, FLAGS.warmup)
+    row = dict(source="sse-jax", op=op, impl=impl, length=length, n=n, fwd_ms=t_fwd,
+               fwd_bwd_ms=t_fb, compile_s=c_fb,
+               temp_mib=temp_mib(fb, x) if FLAGS.memory else None)
+    if FLAGS.check_length == length:
+      row["errors"] = errors(op, impl, n, x)
+    rows.append(row)
+    save(rows)  # after every row, so that a run cut short keeps what it measured
+    print(f"{op:4s} {impl:15s} L={length:6d} N={n or '-':>2} fwd {t_fwd:8.3f} ms  "
+          f"fwd+bwd {t_fb:8.3f} ms"
+          + (f"  err {row['errors']}" if "errors" in row else ""), flush=True)
+
+  for length in lengths:
+    x = make_inputs(length, max(parts), FLAGS.heads, FLAGS.dim, FLAGS.top_k)
+    for impl in FLAGS.gla_impls:
+      record("gla", impl, length, None, x)
+    for n in parts:
+      xn = make_inputs(length, n, FLAGS.heads, FLAGS.dim, FLAGS.top_k)
+      for impl in FLAGS.sse_impls:
+        if impl == "loop" and length > FLAGS.loop_max_length:
+          continue
+        record("sse", impl, length, n, xn)
+
+  if FLAGS.fla:
+    rows += run_fla(out)
+
+  save(rows)
+  report(rows, meta, out)
+
+
+def report(rows, meta, out):
+  """Markdown table (with achieved bandwidth of the dense rows) and the plot."""
+  # Achieved bandwidth of dense GLA: the bytes a fused fwd+bwd must move at least (read
+  # q, k, v, do in bf16 and g in fp32 once; write dq, dk, dv in bf16 and dg in fp32
+  # once) over the measured time.
+  for r in rows:
+    if r["op"] == "gla" and r["source"] == "sse-jax" and r.get("fwd_bwd_ms"):
+      elems = r["length"] * meta["heads"] * meta["dim"]
+      r["min_bytes"] = elems * (2 * 4 + 4) + elems * (2 * 3 + 4)
+      r["achieved_GBps"] = r["min_bytes"] / (r["fwd_bwd_ms"] * 1e-3) / 1e9
+  table = markdown(rows)
+  (out / "bench_ops.md").write_text(
+      f"Command: `{meta['command']}` on {meta['device']} (jax {meta['jax']})\n\n{table}\n")
+  plot(rows, out / "bench_ops.png", meta)
+  print(table)
+
+
+if __name__ == "__main__":
+  app.run(main)
