@@ -66,7 +66,9 @@ class AttentionConfig:
     check.positive_int(name, "num_heads", self.num_heads)
     check.divides(name, "hidden", self.hidden, "num_heads", self.num_heads)
     check.optional_positive_int(name, "num_kv_heads", self.num_kv_heads)
-    check.divides(name, "num_heads", self.num_heads, "num_kv_heads", self.kv_heads)
+    if self.num_heads % self.kv_heads:
+      check.fail(name, "num_kv_heads", self.num_kv_heads,
+                 f"must divide num_heads={self.num_heads}")
     check.optional_positive_int(name, "head_dim", self.head_dim)
     if self.head % 2:
       check.fail(name, "head_dim", self.head, "must be even (RoPE rotates pairs)")

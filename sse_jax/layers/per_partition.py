@@ -25,13 +25,21 @@ from sse_jax.layers.router import Routing
 from sse_jax.ops.sse import make_routing, spread
 
 
+def gla_impl(sse_impl: str) -> str:
+  """The ops.gla implementation that matches an SSE `impl` string."""
+  if sse_impl in ("scan", "auto"):
+    return sse_impl
+  return "pallas_chunk" if sse_impl.startswith("pallas") else "chunk"
+
+
 def per_partition_sse(q, k, v, g, g0, routing: Routing, state, *, num_partitions: int,
                       gate: str, shared: bool, impl: str, chunk_size: int, decode: bool):
   """q, k [B, T, P, H, Dk], v [B, T, P, H, Dv] (slot N = the shared partition when
   `shared`), g, g0 [B, T, H, Dk]; state [B, P H, Dk, Dv] or None.
 
-  Returns (o [B, T, H, Dv], state [B, P H, Dk, Dv] or None). `impl` "scan" runs the
-  scan reference of ops.gla, anything else its chunked path.
+  Returns (o [B, T, H, Dv], state [B, P H, Dk, Dv] or None). `impl` (an SSE impl) is
+  mapped to ops.gla's by `gla_impl`: "scan" -> "scan", "pallas_*" -> "pallas_chunk",
+  "auto" -> "auto", others -> "chunk".
   """
   b, t, p, h, _ = q.shape
   n = num_partitions
@@ -48,6 +56,6 @@ def per_partition_sse(q, k, v, g, g0, routing: Routing, state, *, num_partitions
   col = lambda w: w[..., None, None]
   fold = lambda z: z.reshape(b, t, p * h, z.shape[-1])
   o, state = run_gla(fold(q * col(rw)), fold(k * col(ww)), fold(v), fold(gs * col(written)),
-                     state, impl="scan" if impl == "scan" else "chunk",
+                     state, impl=gla_impl(impl),
                      chunk_size=chunk_size, decode=decode)
   return o.reshape(b, t, p, h, -1).sum(axis=2).astype(v.dtype), state

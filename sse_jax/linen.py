@@ -1,0 +1,61 @@
+"""Flax Linen wrappers of the NNX layers and the language model (`nnx.bridge`).
+
+    import flax.linen as nn
+    from sse_jax import linen as sse_linen
+
+    class Net(nn.Module):
+      config: SSEConfig
+
+      @nn.compact
+      def __call__(self, x):                       # x [B, T, D]
+        out = sse_linen.sse_layer(self.config, name="sse")(x)   # MixerOutput
+        return nn.Dense(10)(out.y), out.aux_loss
+
+Parameters live in the Linen "params" collection, boxed in `nnx.bridge.NNXMeta`
+that carries the logical axis names (`nn.get_partition_spec` reads them;
+`nn.meta.unbox` gives plain arrays). Each wrapper returns a Linen module whose call
+signature and outputs are those of the NNX module: mixers take (x [B, T, D],
+cache=None) and return `MixerOutput`; the model takes tokens [B, T] (and `cache=`)
+and returns `ModelOutput`. Initialisation needs a "params" rng.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+from flax import nnx
+
+from sse_jax.layers.attention import Attention, AttentionConfig
+from sse_jax.layers.gla import GLA, GLAConfig
+from sse_jax.layers.sse import SSE, SSEConfig
+from sse_jax.model.config import ModelConfig
+from sse_jax.model.lm import LanguageModel
+
+
+def wrap(nnx_class: type[nnx.Module], config: Any, *, dtype=jnp.float32,
+         param_dtype=jnp.float32, name: str | None = None) -> nn.Module:
+  """A Linen module running `nnx_class(config, rngs=..., dtype=..., param_dtype=...)`."""
+  return nnx.bridge.to_linen(nnx_class, config, dtype=dtype, param_dtype=param_dtype,
+                             name=name)
+
+
+def sse_layer(config: SSEConfig, **kwargs) -> nn.Module:
+  """The SSE mixer: x [B, T, D] -> MixerOutput(y, cache, aux_loss, usage)."""
+  return wrap(SSE, config, **kwargs)
+
+
+def gla_layer(config: GLAConfig, **kwargs) -> nn.Module:
+  """The GLA mixer: x [B, T, D] -> MixerOutput(y, cache)."""
+  return wrap(GLA, config, **kwargs)
+
+
+def attention_layer(config: AttentionConfig, **kwargs) -> nn.Module:
+  """The attention mixer: x [B, T, D] -> MixerOutput(y, cache)."""
+  return wrap(Attention, config, **kwargs)
+
+
+def language_model(config: ModelConfig, **kwargs) -> nn.Module:
+  """The language model: tokens [B, T] -> ModelOutput(logits float32 [B, T, V], ...)."""
+  return wrap(LanguageModel, config, **kwargs)

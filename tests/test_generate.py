@@ -1,0 +1,113 @@
+"""Cached generation: chunked prefill + one-token decode steps reproduce the full
+forward logits at every position (hybrid, pure SSE, GLA); greedy / nucleus sampling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sse_jax.generate import generate, sample_logits
+from sse_jax.layers.testing import random_module, router_margin
+from sse_jax.model import LanguageModel
+from sse_jax.model.presets import preset
+from tests.op_testing import assert_close
+
+B, T, PROMPT = 2, 28, 11
+
+
+def make(variant, layers, seed=0, **kw):
+  cfg = preset("tiny", variant, vocab_size=256, **kw)
+  cfg = type(cfg)(**{**cfg.__dict__, "pattern": cfg.pattern[:layers]})
+  return random_module(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), seed, 0.1)
+
+
+@nnx.jit
+def forward(model, toks, cache=None):
+  return model(toks, cache=cache)
+
+
+@nnx.jit
+def router_probs(model, toks):
+  """Router probabilities [B, T, N] of every SSE layer on this input."""
+  x = jnp.take(model.embed[...], toks, axis=0)
+  probs = []
+  for block in model.blocks:
+    if hasattr(block.mixer, "router"):
+      probs.append(block.mixer.router(block.mixer_norm(x)).probs)
+    x = block(x).y
+  return probs
+
+
+def min_router_margin(model, toks):
+  """The smallest top-k margin of any SSE layer on this input (see router_margin)."""
+  k = model.config.sse.writers if model.config.sse is not None else 1
+  return min([router_margin(p, k) for p in router_probs(model, toks)] + [float("inf")])
+
+
+CASES = {  # name: (variant, layers, prefill split points)
+    "hybrid_SSA": ("sse_h", 3, (PROMPT, 19)),   # second prefill chunk from the cache
+    "pure_SSE": ("sse", 2, (PROMPT,)),
+    "GLA": ("gla", 2, (PROMPT,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefill_and_decode_reproduce_the_full_forward(case):
+  variant, layers, splits = CASES[case]
+  model = make(variant, layers)
+  toks = jax.random.randint(jax.random.key(5), (B, T), 0, 256)
+  assert min_router_margin(model, toks) > 1e-4   # no top-k decision within rounding
+  full = forward(model, toks).logits
+  cache = model.init_cache(B, T)
+  logits, start = [], 0
+  for end in splits:                             # chunked prefill(s)
+    out = forward(model, toks[:, start:end], cache)
+    logits.append(out.logits)
+    cache, start = out.cache, end
+  for t in range(start, T):                      # one-token decode steps
+    out = forward(model, toks[:, t:t + 1], cache)
+    logits.append(out.logits)
+    cache = out.cache
+  assert_close(jnp.concatenate(logits, axis=1), full, 1e-4, case)
+
+
+def test_greedy_generation_is_the_argmax_chain_of_the_full_model():
+  model = make("sse_h", 3, seed=1)
+  prompt = jax.random.randint(jax.random.key(6), (B, PROMPT), 0, 256)
+  new = generate(model, prompt, max_new_tokens=T - PROMPT)
+  assert new.shape == (B, T - PROMPT) and new.dtype == jnp.int32
+  seq = jnp.concatenate([prompt, new], axis=1)
+  want = jnp.argmax(forward(model, seq).logits[:, PROMPT - 1:-1], axis=-1)
+  np.testing.assert_array_equal(new, want)
+  sampled = generate(model, prompt, max_new_tokens=5, rng=jax.random.key(0),
+                     temperature=0.7, top_p=0.9)
+  again = generate(model, prompt, max_new_tokens=5, rng=jax.random.key(0),
+                   temperature=0.7, top_p=0.9)
+  np.testing.assert_array_equal(sampled, again)
+  assert sampled.shape == (B, 5) and int(sampled.min()) >= 0 and int(sampled.max()) < 256
+
+
+def test_nucleus_sampling_keeps_only_the_nucleus():
+  probs = np.array([0.05, 0.5, 0.15, 0.3])
+  logits = jnp.log(jnp.asarray(np.tile(probs, (4000, 1)), jnp.float32))
+  draws = np.asarray(sample_logits(logits, jax.random.key(1), temperature=1.0, top_p=0.7))
+  # Sorted: 0.5, 0.3 | 0.15, 0.05 -- the mass before 0.15 is 0.8 >= 0.7, so it is cut.
+  assert set(np.unique(draws)) == {1, 3}
+  assert abs(np.mean(draws == 1) - 0.5 / 0.8) < 0.03
+  np.testing.assert_array_equal(
+      sample_logits(logits[:3], jax.random.key(2), temperature=1.0, top_p=1e-6), [1, 1, 1])
+  np.testing.assert_array_equal(sample_logits(logits[:3], None), [1, 1, 1])
+
+
+def test_generate_rejects_bad_arguments():
+  model = make("gla", 1)
+  prompt = jnp.zeros((1, 3), jnp.int32)
+  with pytest.raises(ValueError, match="rng"):
+    generate(model, prompt, max_new_tokens=2, temperature=1.0)
+  with pytest.raises(ValueError, match="top_p"):
+    generate(model, prompt, max_new_tokens=2, top_p=0.0)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    generate(model, prompt, max_new_tokens=0)

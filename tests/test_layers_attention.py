@@ -1,0 +1,95 @@
+"""The attention mixer and RoPE against numpy: GQA, sliding window, KV-cache decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sse_jax.layers import Attention, AttentionConfig, apply_rope
+from sse_jax.layers.testing import random_module
+from tests.op_testing import assert_close
+
+B, T, D = 2, 24, 32
+
+
+def numpy_rope(x, pos, base=10000.0):
+  """Rotates the pairs (x_j, x_{j + D/2}) by the angle pos * base^(-2j / D)."""
+  x = np.asarray(x, np.float64)
+  half = x.shape[-1] // 2
+  theta = base ** (-2.0 * np.arange(half) / x.shape[-1])
+  angle = np.asarray(pos, np.float64)[None, :, None, None] * theta
+  z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * angle)
+  return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def numpy_attention(layer, x, window):
+  """softmax(q k^T / sqrt(Dh)) v with causal (+ window) mask, KV heads repeated."""
+  c = layer.config
+  x = np.asarray(x, np.float64)
+  w = lambda p: np.asarray(p.kernel[...], np.float64)
+  pos = np.arange(x.shape[1])
+  q = numpy_rope(np.einsum("btd,dhk->bthk", x, w(layer.q)), pos)
+  k = numpy_rope(np.einsum("btd,dhk->bthk", x, w(layer.k)), pos)
+  v = np.einsum("btd,dhk->bthk", x, w(layer.v))
+  rep = c.num_heads // c.kv_heads
+  k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+  s = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head)
+  allowed = pos[None, :] <= pos[:, None]
+  if window is not None:
+    allowed &= pos[None, :] > pos[:, None] - window
+  s = np.where(allowed, s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bhts,bshk,hkd->btd", p, v, w(layer.o))
+
+
+def make(window=None, kv_heads=2):
+  cfg = AttentionConfig(hidden=D, num_heads=4, num_kv_heads=kv_heads, window=window,
+                        implementation="xla")
+  return random_module(lambda: Attention(cfg, rngs=nnx.Rngs(0)), seed=4)
+
+
+@nnx.jit
+def call(layer, x, cache=None):
+  return layer(x, cache)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_matches_numpy(window):
+  layer = make(window)
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  assert_close(call(layer, x).y, numpy_attention(layer, x, window), 1e-5, f"{window=}")
+
+
+def test_kv_cache_prefill_and_decode_equal_full_attention():
+  layer = make(window=6, kv_heads=1)
+  x = jax.random.normal(jax.random.key(1), (B, T, D))
+  full = call(layer, x).y
+  out = call(layer, x[:, :9], layer.init_cache(B, T + 3))
+  ys, cache = [out.y], out.cache
+  for t in range(9, T):
+    out = call(layer, x[:, t:t + 1], cache)
+    ys.append(out.y)
+    cache = out.cache
+  assert int(cache.index) == T
+  assert_close(jnp.concatenate(ys, axis=1), full, 1e-5, "cached vs full")
+
+
+def test_rope_matches_numpy_and_scores_depend_on_offsets_only():
+  x = jax.random.normal(jax.random.key(2), (1, 6, 2, 8))
+  pos = jnp.arange(6) * 7
+  assert_close(apply_rope(x, pos), numpy_rope(x, pos), 1e-5, "rope")
+  q, k = x[:, :1], x[:, 1:2]
+  score = lambda m, n: jnp.sum(apply_rope(q, jnp.array([m])) * apply_rope(k, jnp.array([n])))
+  np.testing.assert_allclose(score(3, 1), score(103, 101), rtol=1e-4)
+
+
+def test_auto_implementation_is_xla_off_gpu_or_in_float32():
+  from sse_jax.layers.attention import resolve_implementation
+  assert resolve_implementation("auto", jnp.float32, 128) == "xla"
+  assert resolve_implementation("cudnn", jnp.float32, 128) == "cudnn"
+  want = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  assert resolve_implementation("auto", jnp.bfloat16, 128) == want

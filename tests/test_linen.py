@@ -1,0 +1,69 @@
+"""Linen wrappers: init / apply / grad inside a Linen module, same numbers as NNX."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sse_jax import linen as sse_linen
+from sse_jax.layers import SSE, SSEConfig
+from sse_jax.model import LanguageModel
+from sse_jax.model.presets import tiny
+from tests.op_testing import assert_close
+
+CFG = SSEConfig(hidden=16, num_heads=2, chunk_size=16, lora_rank=4, short_conv=4)
+
+
+class Net(nn.Module):
+  """A user's Linen model with an SSE layer inside."""
+
+  @nn.compact
+  def __call__(self, x):
+    out = sse_linen.sse_layer(CFG, name="sse")(x)
+    return nn.Dense(3)(out.y), out.aux_loss, out.y
+
+
+def into_nnx(module: nnx.Module, linen_params) -> nnx.Module:
+  """The NNX module with the Linen parameters (unboxed) copied in."""
+  state = nnx.state(module, nnx.Param)
+  flat = dict(nnx.to_flat_state(state))
+  for path, value in nnx.to_flat_state(nnx.State(nn.meta.unbox(linen_params))):
+    flat[path].set_value(value.get_value() if hasattr(value, "get_value") else value)
+  nnx.update(module, state)
+  return module
+
+
+def test_sse_layer_in_a_linen_module_init_apply_grad():
+  x = jax.random.normal(jax.random.key(0), (2, 20, 16))
+  variables = jax.jit(Net().init)(jax.random.key(1), x)
+  y, aux, y_sse = jax.jit(Net().apply)(variables, x)
+  assert y.shape == (2, 20, 3) and aux.shape == ()
+  nnx_layer = into_nnx(nnx.eval_shape(lambda: SSE(CFG, rngs=nnx.Rngs(0))),
+                       variables["params"]["sse"])
+  ref = nnx.jit(lambda m, x: m(x))(nnx_layer, x)
+  assert_close(y_sse, ref.y, 1e-6, "linen vs nnx")
+  np.testing.assert_allclose(aux, ref.aux_loss, rtol=1e-6)
+  loss = lambda v: jnp.sum(Net().apply(v, x)[0] ** 2)
+  grads = nn.meta.unbox(jax.jit(jax.grad(loss))(variables))
+  assert np.abs(grads["params"]["sse"]["router"]["kernel"]).max() > 0
+  assert np.abs(grads["params"]["Dense_0"]["kernel"]).max() > 0
+  specs = nn.get_partition_spec(variables)
+  assert tuple(specs["params"]["sse"]["router"]["kernel"]) == ("embed", "partitions")
+
+
+def test_language_model_wrapper_matches_nnx():
+  cfg = tiny("sse_h")
+  cfg = type(cfg)(**{**cfg.__dict__, "pattern": "SA"})  # two layers keep compiling cheap
+  toks = jax.random.randint(jax.random.key(2), (2, 16), 0, 256)
+  lm = sse_linen.language_model(cfg)
+  variables = jax.jit(lm.init)(jax.random.key(3), toks)
+  out = jax.jit(lm.apply)(variables, toks)
+  ref_model = into_nnx(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))),
+                       variables["params"])
+  ref = nnx.jit(lambda m, t: m(t))(ref_model, toks)
+  assert out.logits.dtype == jnp.float32
+  assert_close(out.logits, ref.logits, 1e-6, "linen LM vs nnx")
+  np.testing.assert_allclose(out.aux_loss, ref.aux_loss, rtol=1e-6)
