@@ -49,6 +49,8 @@ flags.DEFINE_integer("top_k", 1, "K.")
 flags.DEFINE_integer("reps", 20, "Timed repetitions (median reported).")
 flags.DEFINE_integer("warmup", 3, "Untimed runs after compilation.")
 flags.DEFINE_integer("check_length", 0, "Measure errors vs the fp32 scan at this L (0: off).")
+flags.DEFINE_list("check_partitions", ["4"], "N values at which errors are measured.")
+flags.DEFINE_bool("time_fwd", True, "Also time the forward pass alone (one more compile).")
 flags.DEFINE_bool("fla", True, "Also run experiments.bench_fla when fla is importable.")
 flags.DEFINE_bool("memory", False, "Also record compiled temporary memory (recompiles).")
 flags.DEFINE_string("from_json", "", "Only redraw table and plot from saved bench_ops.json"
@@ -224,17 +226,17 @@ def main(argv):
 
   def record(op, impl, length, n, x):
     fwd, fb = op_fn(op, impl, n)
-    t_fwd, _ = time_fn(fwd, x, FLAGS.reps, FLAGS.warmup)
+    t_fwd = time_fn(fwd, x, FLAGS.reps, FLAGS.warmup)[0] if FLAGS.time_fwd else None
     t_fb, c_fb = time_fn(fb, x, FLAGS.reps, FLAGS.warmup)
     row = dict(source="sse-jax", op=op, impl=impl, length=length, n=n, fwd_ms=t_fwd,
                fwd_bwd_ms=t_fb, compile_s=c_fb,
                temp_mib=temp_mib(fb, x) if FLAGS.memory else None)
-    if FLAGS.check_length == length:
+    if FLAGS.check_length == length and (n is None or str(n) in FLAGS.check_partitions):
       row["errors"] = errors(op, impl, n, x)
     rows.append(row)
     save(rows)  # after every row, so that a run cut short keeps what it measured
-    print(f"{op:4s} {impl:15s} L={length:6d} N={n or '-':>2} fwd {t_fwd:8.3f} ms  "
-          f"fwd+bwd {t_fb:8.3f} ms"
+    print(f"{op:4s} {impl:15s} L={length:6d} N={n or '-':>2} fwd {t_fwd or 0:8.3f} ms  "
+          f"fwd+bwd {t_fb:8.3f} ms  compile {c_fb:5.1f} s"
           + (f"  err {row['errors']}" if "errors" in row else ""), flush=True)
 
   for length in lengths:

@@ -15,12 +15,15 @@ non-increasing), Gamma = b_{C-1} and H the state entering the chunk:
 Every exponent evaluated is <= 0: off-diagonal sub-chunk blocks (query block i, key
 block j < i, L = 16 rows each) factor e^{b_t - b_s} = e^{b_t - a_i} e^{a_i - b_s} with
 the anchor a_i = b at the first row of block i; diagonal blocks form e^{b_t - b_s} one
-key (or query) row at a time, masked to s <= t before the exponential.
+feature (scores) or one key / query row (gradients) at a time, masked to s <= t
+before the exponential.
 
 Kernels (grid; what each program does):
+  _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
+                                   backward pass.
   _state_kernel   (Z, H, nK, nV)  walk a segment's chunks, store the state entering
                                    each chunk (fp32) and the segment's final state.
-  _output_kernel  (NC, H, nV)     o = inter (q e^b) H + intra A v, for one chunk.
+  _output_kernel  (NC, H, nV)     o = (q e^b) H + A v, for one chunk.
   _dstate_kernel  (Z, H, nK, nV)  walk a segment backwards: dH' of every chunk, dh0.
   _dv_kernel      (NC, H, nV)     dv = A^T do + (k e^{Gamma - b}) dH'.
   _dqkb_kernel    (NC, H, nK)     dq, dk and db (gradient w.r.t. the cumulative gates).
@@ -127,23 +130,35 @@ def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _scores_block(q_ref, k_ref, b_ref, i, j, dtype):
-  """A_ij [L, L] (fp32): decayed scores of query block i against key block j <= i."""
-  qi, bi = _rows(q_ref, i), _rows(b_ref, i)
-  if j < i:
+def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype):
+  """a_ref [C, C] (fp32): A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0.
+
+  q, k, b: [C, Dk] of one (chunk, head). Computed once per chunk and reused by the
+  output kernel (A v) and the dv kernel (A^T do).
+  """
+  ns = chunk // SUB
+  dk = q_ref.shape[-1]
+  causal = _iota(0) >= _iota(1)
+  for i in range(ns):
+    rows = pl.ds(i * SUB, SUB)
+    qi, bi = _rows(q_ref, i), _rows(b_ref, i)
     anchor = _row(b_ref, i * SUB)
     q_t = qi * jnp.exp(bi - anchor)
-    k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
-    return _dot(q_t, k_t, _NT, dtype)
-  # Diagonal block: one key row s at a time, exponent masked to s <= t.
-  a = jnp.zeros((SUB, SUB), jnp.float32)
-  row, cols = _iota(0, 1), _iota(1)                                     # [L, 1], [L, L]
-  for s in range(SUB):
-    ks, bs = _row(k_ref, i * SUB + s), _row(b_ref, i * SUB + s)
-    causal = row >= s                                                     # [L, 1]
-    col = jnp.sum(qi * ks * _masked_exp(bi - bs, causal), axis=1, keepdims=True)
-    a = a + jnp.where(cols == s, col, 0.0)
-  return a
+    for j in range(i):
+      k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
+      a_ref[rows, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
+
+    # Diagonal block: a rank-1 update per feature d, exponent masked to s <= t, so no
+    # cross-lane reduction over Dk and no exponent above 0.
+    def diag(d, a, i=i):
+      col = lambda ref: ref[pl.ds(i * SUB, SUB), pl.ds(d, 1)].astype(jnp.float32)
+      bd = col(b_ref)                                                       # [L, 1]
+      return a + col(q_ref) * col(k_ref).T * _masked_exp(bd - bd.T, causal)
+
+    a_ref[rows, pl.ds(i * SUB, SUB)] = lax.fori_loop(
+        0, dk, diag, jnp.zeros((SUB, SUB), jnp.float32))
+    for j in range(i + 1, ns):
+      a_ref[rows, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
 
 
 # ----------------------------------------------------------------------------------
@@ -168,17 +183,15 @@ def _state_kernel(start_ref, count_ref, k_ref, v_ref, b_ref, h0_ref, h_ref, fina
                                  h0_ref[...].astype(jnp.float32))
 
 
-def _output_kernel(valid_ref, q_ref, k_ref, v_ref, b_ref, h_ref, o_ref, *, chunk, dtype):
-  """o_ref [C, BV] for one (chunk, head, Dv block); q, k, b: [C, Dk]; h: [Dk, BV]."""
+def _output_kernel(valid_ref, q_ref, v_ref, b_ref, a_ref, h_ref, o_ref, *, dtype):
+  """o_ref [C, BV] for one (chunk, head, Dv block): o = (q e^b) H + A v.
+
+  q, b: [C, Dk]; v: [C, BV]; a: [C, C]; h (entering the chunk): [Dk, BV].
+  """
   valid = valid_ref[pl.program_id(0)] > 0
-  h = h_ref[...]
-  for i in range(chunk // SUB):
-    qi, bi = _rows(q_ref, i), _rows(b_ref, i)
-    acc = _dot(qi * jnp.exp(bi), h, _NN, dtype)
-    for j in range(i + 1):
-      a = _scores_block(q_ref, k_ref, b_ref, i, j, dtype)
-      acc = acc + _dot(a, v_ref[pl.ds(j * SUB, SUB), :], _NN, dtype)
-    o_ref[pl.ds(i * SUB, SUB), :] = jnp.where(valid, acc, 0.0).astype(o_ref.dtype)
+  q_dec = q_ref[...].astype(jnp.float32) * jnp.exp(b_ref[...])
+  acc = _dot(q_dec, h_ref[...], _NN, dtype) + _dot(a_ref[...], v_ref[...], _NN, dtype)
+  o_ref[...] = jnp.where(valid, acc, 0.0).astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------
@@ -202,18 +215,16 @@ def _dstate_kernel(start_ref, count_ref, q_ref, do_ref, b_ref, dfinal_ref, dh_re
   dh0_ref[...] = lax.fori_loop(0, count, body, dfinal_ref[...].astype(jnp.float32))
 
 
-def _dv_kernel(valid_ref, q_ref, k_ref, b_ref, do_ref, dh_ref, dv_ref, *, chunk, dtype):
-  """dv_ref [C, BV]; q, k, b: [C, Dk]; do: [C, BV]; dh (after the chunk): [Dk, BV]."""
+def _dv_kernel(valid_ref, k_ref, b_ref, a_ref, do_ref, dh_ref, dv_ref, *, chunk, dtype):
+  """dv_ref [C, BV] = A^T do + (k e^{Gamma - b}) dH'.
+
+  k, b: [C, Dk]; a: [C, C]; do: [C, BV]; dh (after the chunk): [Dk, BV].
+  """
   valid = valid_ref[pl.program_id(0)] > 0
   last = _row(b_ref, chunk - 1)
-  dh = dh_ref[...]
-  for j in range(chunk // SUB):
-    k_end = _rows(k_ref, j) * jnp.exp(last - _rows(b_ref, j))
-    acc = _dot(k_end, dh, _NN, dtype)
-    for i in range(j, chunk // SUB):
-      a = _scores_block(q_ref, k_ref, b_ref, i, j, dtype)
-      acc = acc + _dot(a, do_ref[pl.ds(i * SUB, SUB), :], _TN, dtype)
-    dv_ref[pl.ds(j * SUB, SUB), :] = jnp.where(valid, acc, 0.0).astype(dv_ref.dtype)
+  k_end = k_ref[...].astype(jnp.float32) * jnp.exp(last - b_ref[...])
+  acc = _dot(k_end, dh_ref[...], _NN, dtype) + _dot(a_ref[...], do_ref[...], _TN, dtype)
+  dv_ref[...] = jnp.where(valid, acc, 0.0).astype(dv_ref.dtype)
 
 
 def _dqkb_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
@@ -256,14 +267,19 @@ def _dqkb_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
       end_j = _row(b_ref, j * SUB + SUB - 1)
       q_t = qi * jnp.exp(bi - end_j)
       dk[j] = dk[j] + jnp.exp(end_j - _rows(b_ref, j)) * _dot(d_a[i, j], q_t, _TN, dtype)
-    # Diagonal block, one row at a time.
-    for s in range(SUB):
+    # Diagonal block, one row s at a time: elementwise [L, BK] updates, the only
+    # reductions are over [L, L] tiles of dA.
+    def diag(s, carry, i=i, bi=bi):
+      dq_i, dk_i = carry
       ks, bs = _row(k_ref, i * SUB + s), _row(b_ref, i * SUB + s)
+      qs = _row(q_ref, i * SUB + s)
       col = jnp.sum(jnp.where(cols == s, d_a[i, i], 0.0), axis=1, keepdims=True)  # dA[:, s]
-      dq[i] = dq[i] + col * ks * _masked_exp(bi - bs, row >= s)
-      qt, bt = _row(q_ref, i * SUB + s), _row(b_ref, i * SUB + s)
       d_row = jnp.sum(jnp.where(rows == s, d_a[i, i], 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
-      dk[i] = dk[i] + d_row * qt * _masked_exp(bt - bi, row <= s)
+      dq_i = dq_i + col * ks * _masked_exp(bi - bs, row >= s)
+      dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
+      return dq_i, dk_i
+
+    dq[i], dk[i] = lax.fori_loop(0, SUB, diag, (dq[i], dk[i]))
 
   for i in range(ns):
     qi, ki = _rows(q_ref, i), _rows(k_ref, i)
@@ -310,22 +326,34 @@ def _states(k, v, b, h0, start, count, bs, interpret):
   )(start, count, k, v, b, h0)
 
 
-def _outputs(q, k, v, b, h_start, valid, bs, interpret):
+def _scores(q, k, b, bs, interpret):
+  nc, c, h, dk = q.shape
+  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh: (n, 0, hh, 0))
+  kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(nc, h), in_specs=[full_k, full_k, full_k],
+      out_specs=pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
+      compiler_params=_params(bs), interpret=interpret, name="gla_scores",
+  )(q, k, b)
+
+
+def _outputs(q, v, b, a, h_start, valid, bs, interpret):
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   _, bv = bs.tiles(dk, dv)
   full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
-  kernel = functools.partial(_output_kernel, chunk=c, dtype=q.dtype)
+  v_blk = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  kernel = functools.partial(_output_kernel, dtype=q.dtype)
   return pl.pallas_call(
       kernel, grid=(nc, h, dv // bv),
-      in_specs=[_whole(nc), full_k, full_k,
-                pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
-                full_k,
+      in_specs=[_whole(nc), full_k, v_blk, full_k,
+                pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0)),
                 pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))],
-      out_specs=pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
+      out_specs=v_blk,
       out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
       compiler_params=_params(bs), interpret=interpret, name="gla_outputs",
-  )(valid, q, k, v, b, h_start)
+  )(valid, q, v, b, a, h_start)
 
 
 def _dstates(q, do, b, dfinal, start, count, bs, interpret):
@@ -349,21 +377,23 @@ def _dstates(q, do, b, dfinal, start, count, bs, interpret):
   )(start, count, q, do, b, dfinal)
 
 
-def _dv(q, k, b, do, dh, valid, bs, interpret):
-  nc, c, h, dk = q.shape
+def _dv(k, b, a, do, dh, valid, bs, interpret):
+  nc, c, h, dk = k.shape
   dv = do.shape[-1]
   _, bv = bs.tiles(dk, dv)
   full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
-  kernel = functools.partial(_dv_kernel, chunk=c, dtype=q.dtype)
+  v_blk = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  kernel = functools.partial(_dv_kernel, chunk=c, dtype=k.dtype)
   return pl.pallas_call(
       kernel, grid=(nc, h, dv // bv),
-      in_specs=[_whole(nc), full_k, full_k, full_k,
-                pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
+      in_specs=[_whole(nc), full_k, full_k,
+                pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0)),
+                v_blk,
                 pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))],
-      out_specs=pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j)),
+      out_specs=v_blk,
       out_shape=jax.ShapeDtypeStruct(do.shape, do.dtype),
       compiler_params=_params(bs), interpret=interpret, name="gla_dv",
-  )(valid, q, k, b, do, dh)
+  )(valid, k, b, a, do, dh)
 
 
 def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
@@ -395,24 +425,27 @@ def _valid_chunks(start, count, nc):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _core(q, k, v, b, h0, start, count, bs, interpret):
-  valid = _valid_chunks(start, count, q.shape[0])
-  h_start, final = _states(k, v, b, h0, start, count, bs, interpret)
-  return _outputs(q, k, v, b, h_start, valid, bs, interpret), final
+  return _core_fwd(q, k, v, b, h0, start, count, bs, interpret)[0]
 
 
 def _core_fwd(q, k, v, b, h0, start, count, bs, interpret):
-  out = _core(q, k, v, b, h0, start, count, bs, interpret)
-  return out, (q, k, v, b, h0, start, count)
+  valid = _valid_chunks(start, count, q.shape[0])
+  a = _scores(q, k, b, bs, interpret)
+  h_start, final = _states(k, v, b, h0, start, count, bs, interpret)
+  o = _outputs(q, v, b, a, h_start, valid, bs, interpret)
+  # The states are recomputed in the backward pass (one sequential sweep) rather
+  # than kept: [NC, H, Dk, Dv] fp32 is the largest tensor of the op.
+  return (o, final), (q, k, v, b, h0, start, count, a)
 
 
 def _core_bwd(bs, interpret, res, cot):
-  q, k, v, b, h0, start, count = res
+  q, k, v, b, h0, start, count, a = res
   do, dfinal = cot
   valid = _valid_chunks(start, count, q.shape[0])
   h_start, _ = _states(k, v, b, h0, start, count, bs, interpret)
   do = do.astype(v.dtype)
   dh, dh0 = _dstates(q, do, b, dfinal.astype(jnp.float32), start, count, bs, interpret)
-  dv = _dv(q, k, b, do, dh, valid, bs, interpret)
+  dv = _dv(k, b, a, do, dh, valid, bs, interpret)
   dq, dk, db = _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db,
           dh0.astype(h0.dtype), None, None)
