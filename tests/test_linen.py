@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -56,7 +58,7 @@ def test_sse_layer_in_a_linen_module_init_apply_grad():
 
 def test_language_model_wrapper_matches_nnx():
   cfg = tiny("sse_h")
-  cfg = type(cfg)(**{**cfg.__dict__, "pattern": "SA"})  # two layers keep compiling cheap
+  cfg = dataclasses.replace(cfg, pattern="S")  # one layer keeps compiling cheap
   toks = jax.random.randint(jax.random.key(2), (2, 16), 0, 256)
   lm = sse_linen.language_model(cfg)
   variables = jax.jit(lm.init)(jax.random.key(3), toks)

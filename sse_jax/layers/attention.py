@@ -37,7 +37,8 @@ class AttentionConfig:
   window: sliding window length (each token sees itself and the window - 1 before
     it); None = full causal attention.
   implementation: for `jax.nn.dot_product_attention` on the full-sequence path:
-    "auto" (cuDNN on GPU for bf16/fp16 with Dh a multiple of 8 and <= 128, else XLA),
+    "auto" (cuDNN on GPU for bf16/fp16 with Dh a multiple of 8 and <= 128, falling
+    back to XLA if cuDNN's trace-time checks reject the call; else XLA),
     "xla", "cudnn", or None (JAX's own default).
   """
 
@@ -129,10 +130,15 @@ class Attention(nnx.Module):
     v = self.v(x)
     if cache is None:
       window = None if cfg.window is None else (cfg.window - 1, 0)
+      attend = lambda impl: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, local_window_size=window, implementation=impl)
       impl = resolve_implementation(cfg.implementation, self.dtype, cfg.head)
-      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
-                                       implementation=impl)
-      return MixerOutput(self.o(o))
+      if cfg.implementation == "auto" and impl == "cudnn":
+        try:  # cuDNN's support checks run at trace time: fall back to XLA if it declines
+          return MixerOutput(self.o(attend("cudnn")))
+        except (NotImplementedError, ValueError, RuntimeError):
+          impl = "xla"
+      return MixerOutput(self.o(attend(impl)))
     at = (0, start, 0, 0)
     kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at)
     vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at)

@@ -69,6 +69,8 @@ class GLA(LinearMixer):
     return jnp.zeros((batch, c.num_heads, c.head_k, c.head_v), jnp.float32)
 
   def attend(self, x: jax.Array, cache: RecurrentCache | None = None):
+    """x [B, T, D] -> (o [B, T, H, Dv] before the output head, the updated cache or
+    None, None: no routing)."""
     c = self.config
     q, k, v, conv = self.qkv(x, None if cache is None else cache.conv)
     q = features.activate(c.query_activation, q)

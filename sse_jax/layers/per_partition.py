@@ -16,7 +16,6 @@ Cost ~P x dense GLA, like the "masking" implementation.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from sse_jax import ops

@@ -165,6 +165,8 @@ class SSE(LinearMixer):
     return routed, jnp.zeros((batch,) + head, jnp.float32)
 
   def attend(self, x: jax.Array, cache: RecurrentCache | None = None):
+    """x [B, T, D] -> (o [B, T, H, Dv] before the output head, the updated cache or
+    None, the router's `Routing`)."""
     c = self.config
     decode = cache is not None and x.shape[1] == 1
     state = None if cache is None else cache.state

@@ -7,18 +7,20 @@ Variants (the `pattern`): "sse" (all SSE), "sse_h" (5 SSE + 1 attention, repeate
 How the sizes were chosen (paper Table 9: 600M = 24 layers, hidden 1024, 8 heads,
 300M non-embedding; 2B = 18 layers, hidden 2304, 18 heads, 1.3B non-embedding, 3
 attention layers in the hybrid). The paper does not give head or MLP widths, so:
-  * every mixer uses head dims Dk = Dv = D / H = 128 (the head dim of the paper's
-    kernel benchmarks) and the official output gate, i.e. W_q, W_k, W_v, W_gate, W_o
-    are D x D each; SSE adds the router (D N), the rank-64 shared-partition LoRA and
-    the rank-16 decay gate; attention layers have W_q, W_k, W_v, W_o only;
+  * every linear-attention mixer uses head dims Dk = Dv = D / H = 128 (the head dim
+    of the paper's kernel benchmarks) and the official output gate, so W_q, W_k, W_v,
+    W_gate, W_o are D x D each, plus the rank-16 decay gate; SSE adds the router
+    (D x N) and the rank-64 shared-partition LoRA on q and k; attention layers have
+    W_q, W_k, W_v, W_o only (RoPE, no biases);
   * the SwiGLU width I is then the multiple of 256 that brings the SSE models closest
     to the paper's count: I = 2304 (2.25 D) at 600M, I = 6656 (2.89 D) at 2B;
   * the Transformer variants get a wider MLP (+512 / +768) to stay at equal size.
-Non-embedding counts (vocab-independent; from `count_params`, eval_shape only):
-  600M: sse 303.0M, sse_h 297.6M, gla 296.6M, transformer 308.3M   (paper 300M)
-  2B:   sse 1318.1M, sse_h 1300.2M, gla 1307.3M, transformer 1245.8M (paper 1.3B)
-With share_partition_params=False (Table 8) the 600M SSE grows to ~605M non-embedding
-(paper: 580M).
+Non-embedding counts (vocab-independent; `count_params`, eval_shape only, N = 4):
+  600M: sse 303.0M, sse_h 297.6M, gla 296.6M, transformer 308.3M    (paper 300M)
+  2B:   sse 1318.1M, sse_h 1300.2M, gla 1307.3M, transformer 1306.0M (paper 1.3B)
+  125M: sse 94.7M, sse_h 93.1M, gla 92.3M, gla_h 91.1M, transformer 92.0M
+With share_partition_params=False (Table 8: N + 1 = 5 sets of W_q, W_k, W_v) the 600M
+SSE has 598.7M non-embedding parameters (paper: 580M).
 """
 
 from __future__ import annotations
