@@ -21,10 +21,14 @@ before the exponential.
 Kernels (grid; what each program does):
   _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
                                    backward pass.
-  _state_kernel   (Z, H, nK, nV)  walk a segment's chunks, store the state entering
-                                   each chunk (fp32) and the segment's final state.
+  _local_kernel   (NC, H, nK, nV) each chunk's own contribution to the state after it,
+                                   (k e^{Gamma - b})^T v -- or, backward, to the
+                                   gradient of the state before it, (q e^b)^T do.
+  _sweep_kernel   (Z, H, nK, nV)  walk a segment's chunks (backward: in reverse) with
+                                   S = diag(e^Gamma) S + local: the state entering each
+                                   chunk and the final state (backward: dH' of every
+                                   chunk and dh0). Only the multiply-add is sequential.
   _output_kernel  (NC, H, nV)     o = (q e^b) H + A v, for one chunk.
-  _dstate_kernel  (Z, H, nK, nV)  walk a segment backwards: dH' of every chunk, dh0.
   _dv_kernel      (NC, H, nV)     dv = A^T do + (k e^{Gamma - b}) dH'.
   _dqkb_kernel    (NC, H, nK)     dq, dk and db (gradient w.r.t. the cumulative gates).
 The gates enter as b = cumsum(g) computed outside the custom_vjp, so XLA's transpose
@@ -165,22 +169,37 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype):
 # Forward kernels.
 
 
-def _state_kernel(start_ref, count_ref, k_ref, v_ref, b_ref, h0_ref, h_ref, final_ref,
-                  *, chunk, dtype):
-  """h_ref [NC, BK, BV]: state entering each chunk of segment z; final_ref [BK, BV]."""
+def _local_kernel(x_ref, b_ref, z_ref, out_ref, *, chunk, dtype, to_end):
+  """out_ref [BK, BV] = (x e^{u})^T z for one (chunk, head, Dk block, Dv block).
+
+  to_end: u = Gamma - b, the chunk's own contribution to the state after it (x = k,
+  z = v). Otherwise u = b, its contribution to the gradient of the state entering it
+  (x = q, z = do). Every chunk at once: the sequential part is left to _sweep_kernel.
+  """
+  b = b_ref[...]
+  u = _row(b_ref, chunk - 1) - b if to_end else b
+  out_ref[...] = _dot(x_ref[...].astype(jnp.float32) * jnp.exp(u), z_ref[...], _TN, dtype)
+
+
+def _sweep_kernel(start_ref, count_ref, decay_ref, local_ref, init_ref, seq_ref,
+                  last_ref, *, reverse):
+  """Walks the chunks of segment z: seq_ref[c] = S, then S = diag(decay_c) S + local_c.
+
+  Forward (S = state): seq_ref holds the state entering each chunk, last_ref the
+  final state. Reverse (S = gradient of the state after a chunk): seq_ref holds dH'
+  of each chunk, last_ref the gradient of the initial state. Only an elementwise
+  multiply-add per step, so the sequential depth costs little.
+  decay_ref [NC, BK]; local_ref, seq_ref [NC, BK, BV]; init_ref, last_ref [BK, BV].
+  """
   z = pl.program_id(0)
-  start = start_ref[z]
+  start, count = start_ref[z], count_ref[z]
 
-  def body(n, h):
-    c = start + n
-    h_ref[c] = h
-    bb = b_ref[c].astype(jnp.float32)                                    # [C, BK]
-    last = b_ref[c, pl.ds(chunk - 1, 1), :]                               # [1, BK]
-    k_end = k_ref[c].astype(jnp.float32) * jnp.exp(last - bb)
-    return h * jnp.exp(last).reshape(-1, 1) + _dot(k_end, v_ref[c], _TN, dtype)
+  def body(n, s):
+    c = start + (count - 1 - n if reverse else n)
+    seq_ref[c] = s
+    return decay_ref[pl.ds(c, 1), :].reshape(-1, 1) * s + local_ref[c]
 
-  final_ref[...] = lax.fori_loop(0, count_ref[z], body,
-                                 h0_ref[...].astype(jnp.float32))
+  last_ref[...] = lax.fori_loop(0, count, body, init_ref[...].astype(jnp.float32))
 
 
 def _output_kernel(valid_ref, q_ref, v_ref, b_ref, a_ref, h_ref, o_ref, *, dtype):
@@ -196,23 +215,6 @@ def _output_kernel(valid_ref, q_ref, v_ref, b_ref, a_ref, h_ref, o_ref, *, dtype
 
 # ----------------------------------------------------------------------------------
 # Backward kernels.
-
-
-def _dstate_kernel(start_ref, count_ref, q_ref, do_ref, b_ref, dfinal_ref, dh_ref,
-                   dh0_ref, *, chunk, dtype):
-  """dh_ref [NC, BK, BV]: gradient of the state after each chunk; dh0_ref [BK, BV]."""
-  z = pl.program_id(0)
-  start, count = start_ref[z], count_ref[z]
-
-  def body(n, dh):
-    c = start + count - 1 - n
-    dh_ref[c] = dh
-    bb = b_ref[c].astype(jnp.float32)
-    last = b_ref[c, pl.ds(chunk - 1, 1), :]
-    q_dec = q_ref[c].astype(jnp.float32) * jnp.exp(bb)
-    return dh * jnp.exp(last).reshape(-1, 1) + _dot(q_dec, do_ref[c], _TN, dtype)
-
-  dh0_ref[...] = lax.fori_loop(0, count, body, dfinal_ref[...].astype(jnp.float32))
 
 
 def _dv_kernel(valid_ref, k_ref, b_ref, a_ref, do_ref, dh_ref, dv_ref, *, chunk, dtype):
@@ -305,25 +307,55 @@ def _whole(n):
   return pl.BlockSpec((n,), lambda *_: (0,))
 
 
-def _states(k, v, b, h0, start, count, bs, interpret):
-  nc, c, h, dk = k.shape
-  dv = v.shape[-1]
-  z = h0.shape[0]
+def _local(x, b, z, bs, interpret, to_end):
+  """(x e^u)^T z per chunk: [NC, H, Dk, Dv] fp32 (see _local_kernel)."""
+  nc, c, h, dk = x.shape
+  dv = z.shape[-1]
   bk, bv = bs.tiles(dk, dv)
-  kernel = functools.partial(_state_kernel, chunk=c, dtype=k.dtype)
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, i, j: (n, 0, hh, i))
+  kernel = functools.partial(_local_kernel, chunk=c, dtype=x.dtype, to_end=to_end)
+  return pl.pallas_call(
+      kernel, grid=(nc, h, dk // bk, dv // bv),
+      in_specs=[k_blk, k_blk, pl.BlockSpec((None, c, None, bv), lambda n, hh, i, j: (n, 0, hh, j))],
+      out_specs=pl.BlockSpec((None, None, bk, bv), lambda n, hh, i, j: (n, hh, i, j)),
+      out_shape=jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+      compiler_params=_params(bs), interpret=interpret, name="gla_local",
+  )(x, b, z)
+
+
+def _sweep(decay, local, init, start, count, bs, interpret, reverse):
+  """Segment-wise recurrence over chunks (see _sweep_kernel)."""
+  nc, h, dk, dv = local.shape
+  z = init.shape[0]
+  bk, bv = bs.tiles(dk, dv)
+  state = pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))
+  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j))
+  kernel = functools.partial(_sweep_kernel, reverse=reverse)
   return pl.pallas_call(
       kernel, grid=(z, h, dk // bk, dv // bv),
       in_specs=[_whole(z), _whole(z),
-                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
-                pl.BlockSpec((nc, c, None, bv), lambda s, hh, i, j: (0, 0, hh, j)),
-                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
-                pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
-      out_specs=[pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j)),
-                 pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
+                pl.BlockSpec((nc, None, bk), lambda s, hh, i, j: (0, hh, i)),
+                per_chunk, state],
+      out_specs=[per_chunk, state],
       out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
                  jax.ShapeDtypeStruct((z, h, dk, dv), jnp.float32)],
-      compiler_params=_params(bs), interpret=interpret, name="gla_states",
-  )(start, count, k, v, b, h0)
+      compiler_params=_params(bs), interpret=interpret,
+      name="gla_sweep_reverse" if reverse else "gla_sweep",
+  )(start, count, decay, local, init)
+
+
+def _states(k, v, b, h0, start, count, bs, interpret):
+  """(state entering each chunk [NC, H, Dk, Dv], final state per segment)."""
+  decay = jnp.exp(b[:, -1])                                              # [NC, H, Dk]
+  local = _local(k, b, v, bs, interpret, to_end=True)
+  return _sweep(decay, local, h0, start, count, bs, interpret, reverse=False)
+
+
+def _dstates(q, do, b, dfinal, start, count, bs, interpret):
+  """(gradient of the state after each chunk, gradient of h0 per segment)."""
+  decay = jnp.exp(b[:, -1])
+  local = _local(q, b, do, bs, interpret, to_end=False)
+  return _sweep(decay, local, dfinal, start, count, bs, interpret, reverse=True)
 
 
 def _scores(q, k, b, bs, interpret):
@@ -354,27 +386,6 @@ def _outputs(q, v, b, a, h_start, valid, bs, interpret):
       out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
       compiler_params=_params(bs), interpret=interpret, name="gla_outputs",
   )(valid, q, v, b, a, h_start)
-
-
-def _dstates(q, do, b, dfinal, start, count, bs, interpret):
-  nc, c, h, dk = q.shape
-  dv = do.shape[-1]
-  z = dfinal.shape[0]
-  bk, bv = bs.tiles(dk, dv)
-  kernel = functools.partial(_dstate_kernel, chunk=c, dtype=q.dtype)
-  return pl.pallas_call(
-      kernel, grid=(z, h, dk // bk, dv // bv),
-      in_specs=[_whole(z), _whole(z),
-                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
-                pl.BlockSpec((nc, c, None, bv), lambda s, hh, i, j: (0, 0, hh, j)),
-                pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i)),
-                pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
-      out_specs=[pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j)),
-                 pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
-                 jax.ShapeDtypeStruct((z, h, dk, dv), jnp.float32)],
-      compiler_params=_params(bs), interpret=interpret, name="gla_dstates",
-  )(start, count, q, do, b, dfinal)
 
 
 def _dv(k, b, a, do, dh, valid, bs, interpret):
