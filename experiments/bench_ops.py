@@ -161,30 +161,51 @@ def run_fla(out_dir):
   return json.loads(path.read_text())["rows"]
 
 
+# Peer numbers quoted from SPEC section 6 (one H200, bf16, same setting, PyTorch
+# eager): fla `chunk_gla`, and the SSE authors' varlen / mask ops. Drawn in grey as
+# reference lines; they were not measured by this script.
+QUOTED_PEERS = {
+    ("fla chunk_gla", None): {2048: 2.22, 8192: 2.92, 32768: 4.59},
+    ("authors varlen", 4): {2048: 7.30, 8192: 6.70, 32768: 12.5},
+    ("authors varlen", 8): {2048: 4.62, 8192: 6.12, 32768: 13.2},
+    ("authors varlen", 16): {2048: 6.01, 8192: 5.92, 32768: 12.6},
+    ("authors mask", 4): {2048: 3.28, 8192: 6.41, 32768: 22.6},
+    ("authors mask", 8): {2048: 4.34, 8192: 10.1, 32768: 38.1},
+    ("authors mask", 16): {2048: 5.99, 8192: 18.0, 32768: 69.0},
+}
+
+
 def plot(rows, path, meta):
+  """Time vs L: one colour per implementation, one line style per N."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(8, 5.5))
+  fig, ax = plt.subplots(figsize=(9, 6))
+  styles = {None: "-", 4: "-", 8: "--", 16: ":"}
   series = {}
   for r in rows:
-    if r.get("fwd_bwd_ms") is None:
-      continue
-    label = r["impl"] if r["op"] == "gla" else f"{r['impl']} N={r['n']}"
-    series.setdefault((r["source"], label), []).append((r["length"], r["fwd_bwd_ms"]))
-  styles = {4: "-", 8: "--", 16: ":"}
-  for (source, label), pts in sorted(series.items()):
+    if r.get("fwd_bwd_ms") is not None:
+      series.setdefault((r["source"], r["impl"], r.get("n")), []).append(
+          (r["length"], r["fwd_bwd_ms"]))
+  impls = sorted({(s, i) for s, i, _ in series})
+  colors = dict(zip(impls, plt.cm.tab10.colors))
+  for (source, impl, n), pts in sorted(series.items(), key=str):
     pts.sort()
-    n = int(label.split("N=")[1]) if "N=" in label else None
     ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(n, "-"), marker="o",
-            label=f"{label} ({source})", linewidth=1.5 if source == "sse-jax" else 1.0)
+            color=colors[(source, impl)], label=f"{impl}" + (f" N={n}" if n else "")
+            + ("" if source == "sse-jax" else f" ({source})"))
+  for (name, n), pts in QUOTED_PEERS.items():
+    xs = sorted(pts)
+    ax.plot(xs, [pts[x] for x in xs], styles[n], marker="x", color="black" if n is None
+            else "0.55", linewidth=0.8, label=f"{name}" + (f" N={n}" if n else "")
+            + " (quoted)")
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xlabel("sequence length L (cu_seqlens = [0, L/2, L])")
   ax.set_ylabel("forward + backward (ms, median)")
   ax.set_title(f"GLA / SSE ops, bf16, H={meta['heads']}, D={meta['dim']}, "
                f"K={meta['top_k']}, {meta['device']}")
-  ax.legend(fontsize=6, ncol=2)
+  ax.legend(fontsize=6, ncol=3)
   ax.grid(True, which="both", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=130)
