@@ -14,6 +14,7 @@ from sse_jax.ops import checks
 from sse_jax.ops import chunked
 from sse_jax.ops import packing
 from sse_jax.ops import reference
+from sse_jax.ops import sharding
 from sse_jax.ops import impl as impl_lib
 from sse_jax.ops.impl import GLA_IMPLS, Impl
 
@@ -124,9 +125,18 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
   h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
         else initial_state.astype(dtype))
-  if impl is Impl.SCAN:
-    o, final = reference.gla_scan(q, k, v, g, h0, cu_seqlens)
-  else:
-    o, final = chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size,
-                           impl_lib.chunk_core(impl, qkv_dtype))
+
+  def run(q, k, v, g, h0):
+    if impl is Impl.SCAN:
+      return reference.gla_scan(q, k, v, g, h0, cu_seqlens)
+    return chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size,
+                       impl_lib.chunk_core(impl, qkv_dtype))
+
+  axes = None if cu_seqlens is not None else sharding.shard_axes(b, h)
+  if axes is None:
+    o, final = run(q, k, v, g, h0)
+  else:  # one shard of the batch and heads per device: see `sharding`
+    act, state = sharding.spec(axes, 4, head_dim=2), sharding.spec(axes, 4, head_dim=1)
+    o, final = sharding.per_shard(run, (q, k, v, g, h0), (act,) * 4 + (state,),
+                                  (act, state))
   return o.astype(out_dtype), (final.astype(dtype) if output_final_state else None)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from sse_jax.ops import checks
 from sse_jax.ops import gla as gla_lib
 from sse_jax.ops import reference
+from sse_jax.ops import sharding
 from sse_jax.ops.checks import Gate
 from sse_jax.ops import impl as impl_lib
 from sse_jax.ops.impl import SSE_IMPLS, Impl
@@ -250,17 +251,38 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
               g0.astype(dtype))
     h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
                  else h0_shared.astype(dtype))
-  routing = make_routing(weights.astype(dtype), indices,
-                         None if read_weights is None else read_weights.astype(dtype),
-                         read_indices, gate)
-  args = (q, k, v, g, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
-  if impl is Impl.SCAN:
-    o, final, final0 = _scan(*args)
-  elif impl is Impl.LOOP:
-    o, final, final0 = _loop(*args, chunk_size)
-  else:
-    fold = _masking if impl in (Impl.MASKING, Impl.PALLAS_MASKING) else _varlen
-    o, final, final0 = fold(*args, chunk_size, impl_lib.chunk_core(impl, qkv_dtype))
+  weights = weights.astype(dtype)
+  read = () if read_indices is None else (read_weights.astype(dtype), read_indices)
+
+  def run(q, k, v, g, weights, indices, read, h0, shared, h0_shared):
+    routing = make_routing(weights, indices, *(read or (None, None)), gate)
+    if not shared:  # () stands for "none" inside shard_map
+      shared = h0_shared = None
+    args = (q, k, v, g, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
+    if impl is Impl.SCAN:
+      o, final, final0 = _scan(*args)
+    elif impl is Impl.LOOP:
+      o, final, final0 = _loop(*args, chunk_size)
+    else:
+      fold = _masking if impl in (Impl.MASKING, Impl.PALLAS_MASKING) else _varlen
+      o, final, final0 = fold(*args, chunk_size, impl_lib.chunk_core(impl, qkv_dtype))
+    return o, final, (() if final0 is None else final0)  # no None leaves in shard_map
+
+  inputs = (q, k, v, g, weights, indices, read, h0, shared or (),
+            () if shared is None else h0_shared)
+  axes = None if cu_seqlens is not None else sharding.shard_axes(b, h)
+  if axes is None:
+    o, final, final0 = run(*inputs)
+  else:  # one shard of the batch and heads per device: see `sharding`
+    act = sharding.spec(axes, 4, head_dim=2)
+    route = sharding.spec(axes, 3)
+    routed = sharding.spec(axes, 5, head_dim=2)
+    state = sharding.spec(axes, 4, head_dim=1)
+    specs = (act,) * 4 + (route, route, (route,) * len(read), routed,
+                          (act,) * len(shared or ()), state if shared else ())
+    o, final, final0 = sharding.per_shard(run, inputs, specs,
+                                          (act, routed, state if shared else ()))
+  final0 = None if shared is None else final0
   if not output_final_state:
     return o.astype(out_dtype), None
   final = final.astype(dtype)
