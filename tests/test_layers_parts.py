@@ -51,9 +51,14 @@ def test_feature_maps():
   e = np.exp(x - x.max(-1, keepdims=True))
   want = {"identity": x, "relu": np.maximum(x, 0), "silu": x / (1 + np.exp(-x)),
           "elu+1": np.where(x > 0, x + 1, np.exp(x)), "softmax": e / e.sum(-1, keepdims=True)}
+  keep = x >= np.sort(x, -1)[..., -(x.shape[-1] // 4)][..., None]  # the d/4 largest
+  et = np.where(keep, e, 0)
+  want["topk-softmax"] = et / et.sum(-1, keepdims=True)
   for name, value in want.items():
     assert_close(activate(name, X), value, 1e-6, name)
   assert activate("softmax", X.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+  sparse = np.asarray(activate("topk-softmax", X))
+  assert np.all((sparse > 0).sum(-1) == x.shape[-1] // 4)
 
 
 BAD_CONFIGS = [
