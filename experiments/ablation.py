@@ -1,0 +1,266 @@
+r"""Runs one of the paper's ablations and writes its table and figure.
+
+    python -m experiments.ablation --config=configs/fig7.py:cpu
+    python -m experiments.ablation --config=configs/table7.py --workdir=/tmp/sse
+
+Every run of the sweep (config.runs x config.lrs x config.seeds) trains with
+`sse_jax.train.train_and_evaluate` into <workdir>/<sweep>/<run>/lr<lr>_s<seed>/; a run
+whose summary.json exists is skipped, so an interrupted sweep resumes where it stopped
+(and an interrupted run resumes from its last checkpoint). At the end the sweep
+directory receives results.json, results.csv, results.md and <sweep>.png; with
+--results=DIR they are copied there too.
+
+Per run, the learning rate with the lowest final eval loss (mean over seeds) is kept;
+its metric is reported as mean and spread over seeds. The selection uses the same
+held-out stream the metric is measured on, which favours every run alike.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import pathlib
+import shutil
+import sys
+import time
+from typing import Any
+
+from absl import app
+from absl import flags
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+
+from sse_jax import train as train_lib
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Experiment config file, e.g."
+                                " configs/fig7.py:cpu.", lock_config=False)
+flags.DEFINE_string("workdir", "workdir", "Root of the run directories.")
+flags.DEFINE_string("results", "", "Also copy the tables and figure into this directory.")
+flags.DEFINE_list("only", [], "Run only these run names (the report covers all finished runs).")
+flags.DEFINE_bool("report_only", False, "Only rebuild the report from finished runs.")
+
+
+@dataclasses.dataclass
+class Job:
+  run: str
+  labels: dict[str, Any]
+  lr: float
+  seed: int
+  dir: pathlib.Path
+  config: ml_collections.ConfigDict
+
+
+def set_path(cfg: ml_collections.ConfigDict, path: str, value: Any) -> None:
+  """cfg["a.b.c"] = value, creating nothing: every parent must exist."""
+  *parents, leaf = path.split(".")
+  node = cfg
+  for p in parents:
+    if p not in node:
+      raise KeyError(f"override {path!r}: no field {p!r} in the train config")
+    node = node[p]
+  if isinstance(value, dict):
+    value = ml_collections.ConfigDict(value)
+  if isinstance(node, ml_collections.ConfigDict):
+    with node.ignore_type():
+      node[leaf] = value
+  else:  # a plain dict inside the config (e.g. model kwargs)
+    node[leaf] = value
+
+
+def expand(cfg: ml_collections.ConfigDict, root: pathlib.Path) -> list[Job]:
+  jobs = []
+  for run in cfg.runs:
+    for lr in cfg.lrs:
+      for seed in cfg.seeds:
+        c = ml_collections.ConfigDict(cfg.train.to_dict())
+        for path, value in run["overrides"].items():
+          set_path(c, path, value)
+        c.lr, c.seed = float(lr), int(seed)
+        jobs.append(Job(run["name"], dict(run["labels"]), float(lr), int(seed),
+                        root / run["name"] / f"lr{lr:g}_s{seed}", c))
+  return jobs
+
+
+def read_summary(job: Job) -> dict[str, Any] | None:
+  path = job.dir / "summary.json"
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def metric(summary: dict[str, Any], name: str) -> float:
+  """Summary metric by name: "eval_accuracy" -> summary["eval"]["accuracy"]."""
+  split, _, key = name.partition("_")
+  return float(summary[split][key])
+
+
+def router_stats(summary: dict[str, Any]) -> dict[str, float]:
+  """Mean over SSE layers of the last eval's usage entropy and max usage."""
+  router = summary["eval"].get("router") or []
+  if not router:
+    return {}
+  return dict(usage_entropy=float(np.mean([r["entropy"] for r in router])),
+              usage_max=float(np.mean([r["max"] for r in router])))
+
+
+def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
+  """One row per run: the best learning rate and its metric over seeds."""
+  rows = []
+  for run in cfg.runs:
+    by_lr: dict[float, list[dict[str, Any]]] = {}
+    for job in jobs:
+      summary = read_summary(job) if job.run == run["name"] else None
+      if summary is not None:
+        by_lr.setdefault(job.lr, []).append(summary)
+    if not by_lr:
+      continue
+    lr_loss = {lr: float(np.mean([s["eval"]["loss"] for s in ss])) for lr, ss in by_lr.items()}
+    best = min(lr_loss, key=lambda lr: (math.isnan(lr_loss[lr]), lr_loss[lr]))
+    ss = by_lr[best]
+    values = [metric(s, cfg.metric) for s in ss]
+    rows.append(dict(
+        run=run["name"], labels=dict(run["labels"]), lr=best, lr_eval_loss=lr_loss,
+        seeds=len(ss), metric=float(np.mean(values)),
+        metric_std=float(np.std(values)) if len(values) > 1 else 0.0,
+        eval_loss=float(np.mean([s["eval"]["loss"] for s in ss])),
+        params=ss[0].get("params"), tokens_per_s=ss[0].get("tokens_per_s"),
+        wall_time_s=float(np.sum([s.get("wall_time_s", 0.0) for s in ss])),
+        curves=[s["history"] for s in ss], **router_stats(ss[0])))
+  return rows
+
+
+def label_text(labels: dict[str, Any]) -> str:
+  return ", ".join(f"{k}={v}" for k, v in labels.items())
+
+
+def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
+  plain = [{k: v for k, v in r.items() if k != "curves"} for r in rows]
+  (out / "results.json").write_text(json.dumps(dict(
+      name=cfg.name, description=cfg.description, metric=cfg.metric, command=command,
+      paper=cfg.paper.to_dict() if hasattr(cfg.paper, "to_dict") else dict(cfg.paper),
+      rows=rows), indent=1))
+  fields = ["run", "labels", "lr", "seeds", "metric", "metric_std", "eval_loss", "params",
+            "usage_entropy", "usage_max", "tokens_per_s", "wall_time_s"]
+  with open(out / "results.csv", "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    for r in plain:
+      w.writerow(dict(r, labels=label_text(r["labels"])))
+  fmt = lambda v, f="{:.4f}": "-" if v is None else f.format(v)
+  lines = [f"# {cfg.name}: {cfg.description}", "", f"Command: `{command}`", "",
+           f"Metric: `{cfg.metric}` (mean over {cfg.seeds} seeds at the best of lr in"
+           f" {list(cfg.lrs)}).", "",
+           "| run | labels | best lr | metric | eval loss | params | router usage entropy"
+           " | router max usage | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in plain:
+    m = fmt(r["metric"]) + (f" ± {r['metric_std']:.4f}" if r["seeds"] > 1 else "")
+    lines.append(f"| {r['run']} | {label_text(r['labels'])} | {r['lr']:g} | {m} | "
+                 f"{fmt(r['eval_loss'])} | {fmt(r['params'], '{:,}')} | "
+                 f"{fmt(r.get('usage_entropy'), '{:.3f}')} | {fmt(r.get('usage_max'), '{:.3f}')}"
+                 f" | {fmt(r['tokens_per_s'], '{:,.0f}')} |")
+  if cfg.paper:
+    lines += ["", "Paper: " + ", ".join(f"{k}: {v}" for k, v in dict(cfg.paper).items())]
+  (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def _curve(ax, history, name, label):
+  steps = [h["step"] for h in history if name in h]
+  ax.plot(steps, [h[name] for h in history if name in h], label=label, linewidth=1)
+
+
+def plot(cfg, rows, path: pathlib.Path) -> None:
+  """The paper-shaped panel, and learning curves of every run beside it."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (ax, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.8))
+  ylabel = cfg.metric.replace("_", " ")
+  if cfg.figure == "vs_partitions":
+    start = [r for r in rows if r["labels"].get("ratio") == "all"]
+    for ratio, style in ((0.25, "o-"), (0.5, "s-")):
+      pts = sorted([(r["labels"]["N"], r["metric"], r["metric_std"]) for r in rows
+                    if r["labels"].get("ratio") == ratio]
+                   + [(r["labels"]["N"], r["metric"], r["metric_std"]) for r in start])
+      if pts:
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts],
+                    fmt=style, capsize=3, label=f"k/N = {ratio:.0%}")
+    for r in rows:
+      if "baseline" in r["labels"]:
+        ax.axhline(r["metric"], linestyle="--", linewidth=1, color="gray")
+        ax.text(1, r["metric"], f" {r['labels']['baseline']}", va="bottom", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("number of partitions N")
+  elif cfg.figure == "vs_width":
+    for gap, style in (("zero", "-"), ("noise", "--")):
+      for variant, marker in (("dense", "o"), ("top-k", "s")):
+        pts = sorted((r["labels"]["width"], r["metric"]) for r in rows
+                     if r["labels"].get("gap") == gap and r["labels"].get("variant") == variant)
+        if pts:
+          ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker,
+                  label=f"{variant}, {gap} gap")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("model width")
+  else:  # bars
+    names = [r["labels"].get("variant", r["run"]) for r in rows]
+    ax.bar(range(len(rows)), [r["metric"] for r in rows],
+           yerr=[r["metric_std"] for r in rows], capsize=3, color="tab:blue")
+    ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
+    paper = dict(cfg.paper)
+    if paper and all(n in paper for n in names if not n.endswith("(reference)")):
+      ax.set_title("paper: " + ", ".join(f"{k} {v}" for k, v in paper.items()), fontsize=7)
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8)
+  for r in rows:
+    _curve(ax_curve, r["curves"][0], cfg.metric, r["run"])
+  ax_curve.set_xlabel("step")
+  ax_curve.set_ylabel(f"{ylabel} (learning curve, seed {cfg.seeds[0]})")
+  ax_curve.grid(alpha=0.3)
+  ax_curve.legend(fontsize=6, ncol=2)
+  fig.suptitle(f"{cfg.name}: {cfg.description}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  cfg = FLAGS.config
+  if cfg is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/fig7.py:cpu")
+  root = pathlib.Path(FLAGS.workdir) / cfg.name
+  root.mkdir(parents=True, exist_ok=True)
+  jobs = expand(cfg, root)
+  command = "python -m experiments.ablation " + " ".join(
+      a for a in sys.argv[1:] if not a.startswith("--workdir"))
+  if not FLAGS.report_only:
+    todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
+    t0 = time.time()
+    for i, job in enumerate(todo, 1):
+      if read_summary(job) is not None:
+        print(f"[{i}/{len(todo)}] {job.run} lr={job.lr:g} seed={job.seed}: finished, skipped",
+              flush=True)
+        continue
+      print(f"[{i}/{len(todo)}] {job.run} lr={job.lr:g} seed={job.seed} "
+            f"({label_text(job.labels)}) -> {job.dir}  [{time.time() - t0:.0f}s elapsed]",
+            flush=True)
+      train_lib.train_and_evaluate(job.config, str(job.dir))
+  rows = collect(cfg, jobs)
+  if not rows:
+    raise SystemExit(f"no finished runs under {root}")
+  write_tables(cfg, rows, root, command)
+  plot(cfg, rows, root / f"{cfg.name}.png")
+  print((root / "results.md").read_text())
+  if FLAGS.results:
+    dest = pathlib.Path(FLAGS.results)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("results.json", "results.csv", "results.md", f"{cfg.name}.png"):
+      shutil.copy(root / name, dest / name)
+    print(f"copied the report to {dest}")
+
+
+if __name__ == "__main__":
+  app.run(main)

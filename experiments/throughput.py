@@ -1,0 +1,142 @@
+r"""End-to-end training throughput and peak memory of equal-size models.
+
+    python -m experiments.throughput                               # GPU: 125M, T = 2K/8K/32K
+    python -m experiments.throughput --size=tiny --lengths=64 --tokens=512 --steps=2
+
+The paper reports only op timings (Fig. 6). This measures whole training steps
+(forward, backward, AdamW update, bf16 compute with fp32 parameters, donated state) of
+pure SSE, SSE-H, GLA and Transformer models of about the same size, at a fixed number
+of tokens per step (batch = tokens / T), each with its fastest implementation
+(`impl="auto"`: Pallas kernels on GPU; attention through cuDNN when available).
+Reports tokens/s (median step time after warm-up) and the device's peak memory.
+Writes <out>/throughput.json, .md and .png.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+from sse_jax.model import LanguageModel, count_params, presets
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("size", "125m", "Model size preset (sse_jax.model.presets.SIZES).")
+flags.DEFINE_list("variants", ["sse", "sse_h", "gla", "transformer"], "Model variants.")
+flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths T.")
+flags.DEFINE_integer("tokens", 65536, "Tokens per training step (batch = tokens // T).")
+flags.DEFINE_integer("steps", 10, "Timed steps (median reported).")
+flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
+flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA layers.")
+flags.DEFINE_string("out", "results/throughput", "Output directory.")
+
+
+def build(variant: str):
+  impl = {"impl": FLAGS.impl}
+  config = presets.preset(FLAGS.size, variant, sse=dict(impl), gla=dict(impl))
+  model = LanguageModel(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                        param_dtype=jnp.float32)
+  return config, model
+
+
+def measure(variant: str, length: int) -> dict:
+  config, model = build(variant)
+  batch = max(1, FLAGS.tokens // length)
+  opt = nnx.Optimizer(model, optax.adamw(3e-4, weight_decay=0.1), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, opt))
+
+  def step(state, tokens):
+    model, opt = nnx.merge(graphdef, state)
+
+    def loss_fn(model):
+      out = model(tokens[:, :-1])
+      logp = jax.nn.log_softmax(out.logits)
+      nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+      return nll + out.aux_loss
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return nnx.state((model, opt)), loss
+
+  step = jax.jit(step, donate_argnums=0)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length + 1), 0,
+                              config.vocab_size)
+  t0 = time.perf_counter()
+  state, loss = step(state, tokens)
+  jax.block_until_ready(loss)
+  compile_s = time.perf_counter() - t0
+  for _ in range(FLAGS.warmup):
+    state, loss = step(state, tokens)
+  jax.block_until_ready(loss)
+  times = []
+  for _ in range(FLAGS.steps):
+    t0 = time.perf_counter()
+    state, loss = step(state, tokens)
+    jax.block_until_ready(loss)
+    times.append(time.perf_counter() - t0)
+  stats = jax.devices()[0].memory_stats() or {}
+  sec = statistics.median(times)
+  return dict(variant=variant, length=length, batch=batch, step_s=sec,
+              tokens_per_s=batch * length / sec, compile_s=compile_s,
+              peak_gib=stats.get("peak_bytes_in_use", float("nan")) / 2**30,
+              params=count_params(config).total, loss=float(loss))
+
+
+def main(argv):
+  del argv
+  out = pathlib.Path(FLAGS.out)
+  out.mkdir(parents=True, exist_ok=True)
+  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, size=FLAGS.size,
+              tokens_per_step=FLAGS.tokens, impl=FLAGS.impl,
+              command="python -m experiments.throughput " + " ".join(sys.argv[1:]))
+  rows = []
+  for length in (int(v) for v in FLAGS.lengths):
+    for variant in FLAGS.variants:
+      try:
+        row = measure(variant, length)
+      except Exception as e:  # e.g. out of memory: record it and go on
+        row = dict(variant=variant, length=length, error=f"{type(e).__name__}: {e}"[:300])
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+      (out / "throughput.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  lines = [f"Command: `{meta['command']}` on {meta['device']}", "",
+           "| model | T | batch | tokens/s | step ms | peak GiB | compile s |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['variant']} | {r['length']} | - | {r['error']} | | | |")
+    else:
+      lines.append(f"| {r['variant']} | {r['length']} | {r['batch']} | {r['tokens_per_s']:,.0f}"
+                   f" | {r['step_s'] * 1e3:.1f} | {r['peak_gib']:.1f} | {r['compile_s']:.0f} |")
+  (out / "throughput.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+  for variant in FLAGS.variants:
+    pts = [r for r in rows if r["variant"] == variant and "error" not in r]
+    a1.plot([r["length"] for r in pts], [r["tokens_per_s"] for r in pts], "o-", label=variant)
+    a2.plot([r["length"] for r in pts], [r["peak_gib"] for r in pts], "o-", label=variant)
+  for a, y in ((a1, "training tokens / s"), (a2, "peak device memory (GiB)")):
+    a.set_xscale("log", base=2)
+    a.set_xlabel("sequence length T")
+    a.set_ylabel(y)
+    a.grid(alpha=0.3)
+    a.legend()
+  fig.suptitle(f"{FLAGS.size} models, {FLAGS.tokens} tokens/step, {meta['device']}")
+  fig.tight_layout()
+  fig.savefig(out / "throughput.png", dpi=120)
+
+
+if __name__ == "__main__":
+  app.run(main)
