@@ -1,0 +1,144 @@
+"""Checkpoints: the train state, the data iterator's position and a JSON record, per step.
+
+    workdir/checkpoints/<step>/state   TrainState (orbax StandardSave; sharded arrays)
+                              /data    grain iterator state, one JSON file per process
+                              /meta    {"fingerprint": the config fields a resume must
+                                        keep, "process_count", "step", "host": the
+                                        trainer's host-side accumulators}
+
+Saves are asynchronous (orbax copies the arrays off the device before `save` returns,
+so the state can be donated to the next step right away). Restoring compares the meta
+record with the current config first, so a checkpoint of another model, data stream or
+optimizer is refused with the list of differing fields instead of orbax's shape error or,
+worse, a silent reinterpretation (grain's state is only a position; orbax casts dtypes
+without a word). Anything orbax or grain cannot read is re-raised as CheckpointError
+naming the checkpoint directory and the step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from sse_jax.train import config as config_lib
+from sse_jax.train.state import TrainState
+
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be resumed: unreadable, corrupt, or from another run."""
+
+
+def _ocp():
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp
+
+
+def _grain_checkpoint():
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.checkpoint
+
+
+class Checkpoints:
+  """orbax CheckpointManager over workdir/checkpoints keeping the latest `keep` steps."""
+
+  def __init__(self, workdir: str, keep: int):
+    ocp = _ocp()
+    self.workdir = workdir
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: TrainState, data_iterator, host: dict[str, Any],
+           fingerprint: dict[str, Any]) -> None:
+    ocp = _ocp()
+    meta = {"format": FORMAT, "step": step, "process_count": jax.process_count(),
+            "fingerprint": fingerprint, "host": host}
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(state._asdict()),
+        data=_grain_checkpoint().CheckpointSave(data_iterator),
+        meta=ocp.args.JsonSave(meta))
+    self.manager.save(step, args=args, force=True)
+
+  def _fail(self, step: int, what: str, cause: BaseException | None = None):
+    others = [s for s in self.manager.all_steps() if s != step]
+    hint = (f" Other steps there: {sorted(others)}; move the bad one away to resume from "
+            "them," if others else "") + " or start in a new workdir."
+    error = CheckpointError(
+        f"cannot resume from {self.directory}/{step} (workdir {self.workdir}): {what}.{hint}")
+    if cause is None:
+      raise error
+    raise error from cause
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    try:
+      meta = self.manager.restore(step, args=_ocp().args.Composite(
+          meta=_ocp().args.JsonRestore())).meta
+    except Exception as e:  # pylint: disable=broad-except
+      self._fail(step, f"its meta record is unreadable ({type(e).__name__}: {e})", e)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+      self._fail(step, f"its meta record is not a format-{FORMAT} trainer record: {meta!r}")
+    return meta
+
+  def check(self, step: int, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    """Raises CheckpointError if the checkpoint belongs to another run."""
+    differences = config_lib.diff(meta["fingerprint"], fingerprint)
+    if differences:
+      self._fail(step, "the config differs from the checkpoint's: " + "; ".join(differences))
+    if meta["process_count"] != jax.process_count():
+      self._fail(step, f"it was written by {meta['process_count']} processes, this run has "
+                 f"{jax.process_count()} (the data position is per process)")
+
+  def restore(self, step: int, target: TrainState, data_iterator=None) -> TrainState:
+    """The state at `step` laid out as `target` (ShapeDtypeStructs with shardings); moves
+    `data_iterator` (if given) to where it was when the checkpoint was written."""
+    ocp = _ocp()
+    items = {"state": ocp.args.StandardRestore(target._asdict())}
+    if data_iterator is not None:
+      items["data"] = _grain_checkpoint().CheckpointRestore(data_iterator)
+    args = ocp.args.Composite(**items)
+    try:
+      restored = self.manager.restore(step, args=args)
+    except Exception as e:  # pylint: disable=broad-except
+      self._fail(step, f"orbax/grain could not read it ({type(e).__name__}: {e})", e)
+    state = TrainState(**restored.state)
+    paths, leaves = _paths_and_leaves(state)
+    for path, got, want in zip(paths, leaves, _paths_and_leaves(target)[1]):
+      if got.shape != want.shape or got.dtype != want.dtype:
+        self._fail(step, f"{path} is {got.dtype}{list(got.shape)}, expected "
+                   f"{want.dtype}{list(want.shape)}")
+    return state
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def load_state(config, workdir: str, step: int | None = None) -> tuple[TrainState, int]:
+  """(state, step) of a run's checkpoint (the latest by default), checked against
+  `config` and laid out on this process's devices as training would lay it out."""
+  from sse_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
+  config_lib.validate(config)
+  program = program_lib.build(config)
+  checkpoints = Checkpoints(workdir, keep=1 << 30)
+  try:
+    step = checkpoints.latest_step() if step is None else step
+    if step is None:
+      raise CheckpointError(f"no checkpoint in {checkpoints.directory} (workdir {workdir})")
+    checkpoints.check(step, checkpoints.read_meta(step), config_lib.fingerprint(config))
+    return checkpoints.restore(step, program.restore_target()), step
+  finally:
+    checkpoints.close()
+
+
+def _paths_and_leaves(tree) -> tuple[list[str], list[Any]]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return [jax.tree_util.keystr(p) for p, _ in flat], [leaf for _, leaf in flat]

@@ -1,0 +1,123 @@
+"""Where metrics go: workdir/metrics.jsonl, TensorBoard files in workdir/tb, and a progress
+line on stderr. Only process 0 writes (metrics are global, every process has them).
+
+metrics.jsonl holds one JSON object per event, in step order:
+    {"kind": "train", "step": s, <train metrics averaged over the last log_every steps>,
+     "steps_per_s", "tokens_per_s", "time"}
+    {"kind": "eval", "step": s, "train_loss": <mean training loss since the previous
+     eval>, <eval metrics>, "router": [{"layer", "usage", "entropy", "max"}, ...],
+     "time"}
+("time": seconds since this invocation started.) A resumed run first drops the records
+after its checkpoint's step (the killed run wrote them; they are computed again), so
+the file reads like one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, TextIO
+
+from sse_jax.train import metrics as metrics_lib
+from sse_jax.train.tensorboard import EventWriter
+
+TIMING = ("steps_per_s", "tokens_per_s", "time")
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+  """Records of a metrics.jsonl (a torn last line from a killed run is skipped)."""
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+class MetricsLog:
+  """Appends records to metrics.jsonl and TensorBoard; a no-op unless `active`."""
+
+  def __init__(self, workdir: str, active: bool, resume_step: int | None):
+    self.active = active
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    kept = [r for r in read_records(self.path)
+            if resume_step is not None and r.get("step", math.inf) <= resume_step]
+    self.records = kept
+    if not active:
+      return
+    # Rewrite (drops what a killed run logged later) atomically: other processes may be
+    # reading the file at the same moment.
+    with open(self.path + ".tmp", "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(self.path + ".tmp", self.path)
+    self._file = open(self.path, "a")
+    self._tb = EventWriter(os.path.join(workdir, "tb"))
+    if resume_step is not None:
+      self._tb.session_start(resume_step + 1)
+
+  def write(self, record: dict[str, Any]) -> None:
+    self.records.append(record)
+    if not self.active:
+      return
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    scalars = {k: v for k, v in record.items() if k not in ("kind", "step", "time")}
+    self._tb.scalars(record["step"], metrics_lib.flat_scalars(record["kind"], scalars))
+    self._tb.flush()
+
+  def last(self, kind: str) -> dict[str, Any] | None:
+    found = [r for r in self.records if r.get("kind") == kind]
+    return found[-1] if found else None
+
+  def history(self) -> list[dict[str, Any]]:
+    """One entry per evaluation: step, train_loss, eval_* metrics, router statistics."""
+    out = []
+    for r in self.records:
+      if r.get("kind") != "eval":
+        continue
+      entry = {"step": r["step"], "train_loss": r.get("train_loss")}
+      entry.update({f"eval_{k}": v for k, v in r.items()
+                    if k not in ("kind", "step", "train_loss", "router", "time")})
+      entry["router"] = r.get("router", [])
+      out.append(entry)
+    return out
+
+  def close(self) -> None:
+    if self.active:
+      self._file.close()
+      self._tb.close()
+
+
+def _duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(round(seconds))
+  h, rest = divmod(seconds, 3600)
+  m, s = divmod(rest, 60)
+  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class Progress:
+  """`[train] step 120/1000 (12%) | 3.42 steps/s | 14,008 tok/s | loss 2.3456 | ETA 4m17s`"""
+
+  def __init__(self, num_steps: int, active: bool, stream: TextIO | None = None):
+    self.num_steps = num_steps
+    self.active = active
+    self.stream = stream
+
+  def update(self, step: int, loss: float, steps_per_s: float, tokens_per_s: float,
+             extra: str = "") -> None:
+    if not self.active:
+      return
+    eta = (self.num_steps - step) / steps_per_s if steps_per_s > 0 else math.inf
+    line = (f"[train] step {step}/{self.num_steps} ({100 * step / self.num_steps:.0f}%) | "
+            f"{steps_per_s:.2f} steps/s | {tokens_per_s:,.0f} tok/s | loss {loss:.4f} | "
+            f"ETA {_duration(eta)}{extra}")
+    stream = self.stream or sys.stderr
+    print(line, file=stream, flush=True)

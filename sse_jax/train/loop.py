@@ -1,0 +1,277 @@
+"""`train_and_evaluate(config, workdir)`: train (or resume), evaluate, log, checkpoint.
+
+One step s = 1..num_steps: read batch s -> jitted train step (state donated) -> at the
+step's boundaries, in this order: log (every log_every), evaluate (every eval_every),
+checkpoint (every checkpoint_every); all three also at num_steps. The step's metrics
+are fetched one step late (after the next step is dispatched) so the host never idles
+the device, except at boundaries, where they are fetched at once: a non-finite loss or
+gradient norm stops the run with NonFiniteLossError before it can be checkpointed.
+
+Resuming: if workdir/checkpoints has a step, the state, the data iterator and the
+host-side accumulators (partial log and eval windows) are restored from the latest, after
+checking that the checkpoint belongs to this config (see checkpoint.py); the run then
+computes exactly what the uninterrupted run would have (bitwise on CPU), and
+metrics.jsonl reads as one run. A finished run returns its summary without training.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from sse_jax.model import count_params
+from sse_jax.train import config as config_lib
+from sse_jax.train import metrics as metrics_lib
+from sse_jax.train import program as program_lib
+from sse_jax.train.checkpoint import Checkpoints
+from sse_jax.train.logs import MetricsLog, Progress
+
+CHECKED = ("loss", "grad_norm")  # a non-finite value of these stops the run
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss (or the gradient norm) became inf / NaN."""
+
+
+def _as_config(config):
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  if isinstance(config, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
+    return config
+  return ml_collections.ConfigDict(dict(config))
+
+
+def _datasets(config):
+  from sse_jax.data import make_dataset, make_source  # pylint: disable=g-import-not-at-top
+  train = make_dataset(make_source(config.data), batch_size=config.batch_size,
+                       seed=config.seed, shuffle=True)
+  # The same shuffled subset of the eval stream every time (one pass, no repeats).
+  evals = make_dataset(make_source(config_lib.eval_data_config(config)),
+                       batch_size=config.batch_size, seed=config.seed, shuffle=True,
+                       num_epochs=1)
+  return train, evals
+
+
+def _fresh_host() -> dict[str, Any]:
+  """Host-side accumulators; checkpointed so that a resumed run logs the same numbers."""
+  return {"log_sums": {}, "log_count": 0, "eval_loss_sum": 0.0, "eval_count": 0}
+
+
+class _Run:
+  """The state of one invocation of train_and_evaluate."""
+
+  def __init__(self, config, workdir: str, program: program_lib.Program):
+    self.config = config
+    self.workdir = workdir
+    self.program = program
+    self.started = time.time()
+    self.lead = jax.process_index() == 0
+    self.fingerprint = config_lib.fingerprint(config)
+    self.train_ds, self.eval_ds = _datasets(config)
+    self.train_iter = iter(self.train_ds)
+    self.checkpoints = Checkpoints(workdir, config.keep_checkpoints)
+    self.train_bytes = config.data.kind != "mqar"
+    self.eval_bytes = config_lib.eval_data_config(config)["kind"] != "mqar"
+    self.routed = tuple(i for i, c in enumerate(program.model_config.pattern) if c == "S")
+    self.tokens_per_step = None
+    self.paused = 0.0          # seconds spent in eval / checkpoints since the last log
+    self.timed_steps = 0       # steps after the first of this invocation (no compile)
+    self.timed_seconds = 0.0   # their seconds, eval and checkpoints left out
+    self.log = None
+
+  # --- start ---------------------------------------------------------------------------
+
+  def start(self):
+    latest = self.checkpoints.latest_step()
+    if latest is None:
+      self.state, self.host, self.step = self.program.init(), _fresh_host(), 0
+    else:
+      meta = self.checkpoints.read_meta(latest)
+      self.checkpoints.check(latest, meta, self.fingerprint)
+      self.state = self.checkpoints.restore(latest, self.program.restore_target(),
+                                            self.train_iter)
+      self.host, self.step = meta["host"], latest
+    self.resumed_from = latest
+    self.log = MetricsLog(self.workdir, self.lead, latest)
+    self.progress = Progress(self.config.num_steps, self.lead and self.config.progress)
+    if self.lead:
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        f.write(self.config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+
+  # --- per step ------------------------------------------------------------------------
+
+  def _batch(self) -> dict[str, jax.Array]:
+    local = next(self.train_iter)
+    if self.tokens_per_step is None:
+      self.tokens_per_step = self.config.batch_size * local["inputs"].shape[1]
+      vocab = self.program.model_config.vocab_size
+      top = max(int(local["inputs"].max()), int(local["targets"].max()))
+      if top >= vocab:
+        raise ValueError(f"the data has token id {top} but model vocab_size={vocab}")
+    return self.program.global_batch(local)
+
+  def _settle(self, step: int, device_metrics) -> dict[str, float]:
+    """Fetches one step's metrics, stops on non-finite values, adds them to the windows."""
+    m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    for name in CHECKED:
+      if not math.isfinite(m[name]):
+        self._non_finite(step, name, m)
+    sums = self.host["log_sums"]
+    for k, v in m.items():
+      sums[k] = sums.get(k, 0.0) + v
+    self.host["log_count"] += 1
+    self.host["eval_loss_sum"] += m["loss"]
+    self.host["eval_count"] += 1
+    return m
+
+  def _non_finite(self, step: int, name: str, m: dict[str, float]):
+    values = ", ".join(f"{k}={m[k]:.6g}" for k in ("loss", "ce", "aux_loss", "grad_norm", "lr"))
+    latest = self.checkpoints.latest_step()
+    where = (f"the last checkpoint is step {latest} in {self.checkpoints.directory}"
+             if latest is not None else "no checkpoint was written")
+    message = (f"non-finite {name} ({m[name]}) at step {step}: {values}. Training stopped; "
+               f"{where}. Lower lr / raise warmup_steps, or check the data.")
+    self.log.write({"kind": "error", "step": step, "message": message})
+    raise NonFiniteLossError(message)
+
+  def _due(self, step: int, every: int) -> bool:
+    return step == self.config.num_steps or (every > 0 and step % every == 0)
+
+  # --- boundaries ----------------------------------------------------------------------
+
+  def _log_train(self, step: int, window_seconds: float):
+    count = self.host["log_count"]
+    if not count:
+      return
+    record = {"kind": "train", "step": step}
+    record.update({k: v / count for k, v in sorted(self.host["log_sums"].items())})
+    if self.train_bytes:
+      record["bpb"] = record["ce"] / math.log(2.0)
+    rate = count / window_seconds if window_seconds > 0 else 0.0
+    record.update(steps_per_s=rate, tokens_per_s=rate * self.tokens_per_step,
+                  time=time.time() - self.started)
+    self.log.write(record)
+    self.progress.update(step, record["loss"], rate, rate * self.tokens_per_step)
+    self.host["log_sums"], self.host["log_count"] = {}, 0
+
+  def evaluate(self, params) -> dict[str, Any]:
+    iterator = iter(self.eval_ds)
+    sums = [self.program.eval_step(params, self.program.global_batch(local))
+            for local in itertools.islice(iterator, self.config.eval_batches)]
+    del iterator  # stops grain's prefetch threads now rather than at interpreter exit
+    return metrics_lib.finish_eval(jax.device_get(sums), self.routed, self.eval_bytes)
+
+  def _eval(self, step: int):
+    count = self.host["eval_count"]
+    record = {"kind": "eval", "step": step,
+              "train_loss": self.host["eval_loss_sum"] / count if count else None}
+    record.update(self.evaluate(self.state.params))
+    record["time"] = time.time() - self.started
+    self.log.write(record)
+    self.host["eval_loss_sum"], self.host["eval_count"] = 0.0, 0
+
+  # --- the loop ------------------------------------------------------------------------
+
+  def train(self, stop_after: int | None):
+    c = self.config
+    last = c.num_steps if stop_after is None else min(c.num_steps, stop_after)
+    first = self.step + 1
+    pending = None
+    window_start = timer = time.time()
+    pauses = 0.0  # eval and checkpoint seconds, kept out of the throughput
+    while self.step < last:
+      batch = self._batch()
+      self.state, device_metrics = self.program.train_step(self.state, batch)
+      self.step += 1
+      step = self.step
+      if pending is not None:
+        self._settle(*pending)
+      pending = (step, device_metrics)
+      log, ev, save = (self._due(step, c.log_every), self._due(step, c.eval_every),
+                       self._due(step, c.checkpoint_every))
+      if not (log or ev or save or step in (first, last)):
+        continue
+      self._settle(*pending)
+      pending = None
+      if step == first:  # the first step compiles: time from its end
+        timer = time.time()
+      if log:
+        self._log_train(step, time.time() - window_start - self.paused)
+        window_start, self.paused = time.time(), 0.0
+      t0 = time.time()
+      if ev:
+        self._eval(step)
+      if save:
+        self.checkpoints.save(step, self.state, self.train_iter, self.host,
+                              self.fingerprint)
+      self.paused += time.time() - t0
+      pauses += time.time() - t0
+    self.timed_steps = max(self.step - first, 0)
+    self.timed_seconds = time.time() - timer - pauses
+    self.checkpoints.wait()
+
+  # --- the end -------------------------------------------------------------------------
+
+  def summary(self) -> dict[str, Any]:
+    count = count_params(self.program.model_config)
+    rate = self.timed_steps / self.timed_seconds if self.timed_seconds > 0 else None
+    return {
+        "step": self.step, "finished": self.step >= self.config.num_steps,
+        "train": self.log.last("train"), "eval": self.log.last("eval"),
+        "history": self.log.history(),
+        "wall_time_s": time.time() - self.started,
+        "steps_per_s": rate,
+        "tokens_per_s": rate * self.tokens_per_step if rate else None,
+        "params": count.total, "params_non_embedding": count.non_embedding,
+        "resumed_from": self.resumed_from, "processes": jax.process_count(),
+        "devices": jax.device_count(), "mesh": dict(self.program.mesh.shape),
+        "workdir": os.path.abspath(self.workdir),
+    }
+
+  def close(self):
+    self.checkpoints.close()
+    if self.log is not None:
+      self.log.close()
+    del self.train_iter
+
+
+def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None
+                       ) -> dict[str, Any]:
+  """Trains `config` (see `default_config`) in `workdir`, resuming from its latest
+  checkpoint, and returns the summary (also written to workdir/summary.json):
+
+    step, finished, train (last train record), eval (last eval record),
+    history [{step, train_loss, eval_loss, eval_accuracy, ..., router}],
+    wall_time_s (this invocation), steps_per_s / tokens_per_s (this invocation's steps
+    after its first, which includes compilation; eval and checkpoint time left out),
+    params (total count), params_non_embedding, resumed_from, processes, devices, mesh,
+    workdir.
+
+  stop_after: end this invocation after that global step as a preemption would (the
+  periodic checkpoints stay; no final eval / checkpoint / summary.json); for tests and
+  drills of the resume path.
+  Raises NonFiniteLossError on a non-finite loss, CheckpointError on a checkpoint that
+  cannot be resumed, ValueError on a bad config.
+  """
+  config = _as_config(config)
+  config_lib.validate(config)
+  os.makedirs(workdir, exist_ok=True)
+  program = program_lib.build(config)
+  run = _Run(config, workdir, program)
+  try:
+    with jax.set_mesh(program.mesh):
+      run.start()
+      run.train(stop_after)
+    summary = run.summary()
+  finally:
+    run.close()
+  if run.lead and summary["finished"]:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+  return summary
