@@ -15,7 +15,7 @@ from configs import common
 
 def get_config(arg=None):
   s = common.size(arg)
-  widths = (32, 64) if s["variant"] == "cpu" else (64, 128, 256, 512)
+  widths = (16, 32) if s["variant"] == "cpu" else (64, 128, 256, 512)
   gap = s["seq_len"] // 4
   base = common.train(s, common.model(s, "G" * s["layers"]))
   runs = []
@@ -25,8 +25,7 @@ def get_config(arg=None):
         data = common.mqar(s, gap_mode=gap_mode, gap_len=gap)
         eval_data = common.mqar(s, gap_mode=gap_mode, gap_len=gap, split="validation")
         model = common.model(s, "G" * s["layers"], hidden=width,
-                             gla=common.gla_mixer(key_activation=key))
-        model["mlp_dim"] = 2 * width
+                             gla=common.gla_mixer(s, key_activation=key))
         runs.append(common.run(f"{gap_mode}_{variant}_d{width}",
                                dict(width=width, variant=variant, gap=gap_mode),
                                model=model, data=data, eval_data=eval_data))

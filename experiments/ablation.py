@@ -29,6 +29,7 @@ from typing import Any
 
 from absl import app
 from absl import flags
+from absl import logging
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
@@ -150,8 +151,8 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
       w.writerow(dict(r, labels=label_text(r["labels"])))
   fmt = lambda v, f="{:.4f}": "-" if v is None else f.format(v)
   lines = [f"# {cfg.name}: {cfg.description}", "", f"Command: `{command}`", "",
-           f"Metric: `{cfg.metric}` (mean over {cfg.seeds} seeds at the best of lr in"
-           f" {list(cfg.lrs)}).", "",
+           f"Metric: `{cfg.metric}` (mean over seeds {list(cfg.seeds)}, at the best"
+           f" learning rate of {list(cfg.lrs)} by final eval loss).", "",
            "| run | labels | best lr | metric | eval loss | params | router usage entropy"
            " | router max usage | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
   for r in plain:
@@ -214,6 +215,7 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8)
+  ax_curve.set_prop_cycle(color=plt.cm.tab20.colors)
   for r in rows:
     _curve(ax_curve, r["curves"][0], cfg.metric, r["run"])
   ax_curve.set_xlabel("step")
@@ -228,6 +230,7 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # checkpointing logs every save at INFO
   cfg = FLAGS.config
   if cfg is None:
     raise app.UsageError("--config is required, e.g. --config=configs/fig7.py:cpu")
