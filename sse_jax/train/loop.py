@@ -220,7 +220,8 @@ class _Run:
 
   def summary(self) -> dict[str, Any]:
     count = count_params(self.program.model_config)
-    rate = self.timed_steps / self.timed_seconds if self.timed_seconds > 0 else None
+    timed = self.timed_steps > 0 and self.timed_seconds > 0
+    rate = self.timed_steps / self.timed_seconds if timed else None
     return {
         "step": self.step, "finished": self.step >= self.config.num_steps,
         "train": self.log.last("train"), "eval": self.log.last("eval"),
