@@ -18,7 +18,8 @@ import pytest
 
 from sse_jax.model import ModelOutput
 from sse_jax.train import config as config_lib
-from sse_jax.train import default_config, logs, metrics, optim, tensorboard
+from sse_jax.train import CheckpointError, default_config, load_state
+from sse_jax.train import logs, metrics, optim, tensorboard
 
 
 # --- TensorBoard -----------------------------------------------------------------------
@@ -275,7 +276,7 @@ def test_metrics_log_resume_drops_later_records(tmp_path):
   assert len(tb_files) == 2  # one per active writer; the inactive one wrote nothing
   starts = [e for f in tb_files for e in tensorboard.read_events(str(tmp_path / "tb" / f))
             if e["session_start"]]
-  assert [e["step"] for e in starts] == [3]
+  assert sorted(e["step"] for e in starts) == [1, 3]  # fresh start, resumed after 2
 
 
 def test_progress_line():
@@ -286,6 +287,12 @@ def test_progress_line():
   quiet = io.StringIO()
   logs.Progress(10, active=False, stream=quiet).update(1, 1.0, 1.0, 1.0)
   assert quiet.getvalue() == ""
+
+
+def test_load_state_without_checkpoints(tmp_path):
+  with pytest.raises(CheckpointError, match=r"no checkpoints in workdir .*checkpoints is missing"):
+    load_state(default_config(), str(tmp_path / "nothing"))
+  assert not (tmp_path / "nothing").exists()
 
 
 def test_config_json_round_trip(tmp_path):

@@ -254,7 +254,9 @@ def test_garbage_step_directory_is_named(ref, tmp_path):
   junk = workdir / "checkpoints" / "40"
   junk.mkdir()
   (junk / "notes.txt").write_text("not a checkpoint")
-  with pytest.raises(train.CheckpointError, match=r"checkpoints/40 .*meta record"):
+  with pytest.raises(train.CheckpointError,
+                     match=r"checkpoints/40 .*not a trainer checkpoint: no \['state', 'data', "
+                           r"'meta'\] item \(found \['notes.txt'\]\)"):
     train.train_and_evaluate(ref_config(), str(workdir))
 
 

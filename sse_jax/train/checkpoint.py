@@ -26,6 +26,7 @@ from sse_jax.train import config as config_lib
 from sse_jax.train.state import TrainState
 
 FORMAT = 1
+ITEMS = ("state", "data", "meta")
 
 
 class CheckpointError(RuntimeError):
@@ -77,6 +78,12 @@ class Checkpoints:
     raise error from cause
 
   def read_meta(self, step: int) -> dict[str, Any]:
+    # Look before asking orbax: on a directory that is no checkpoint at all it fails
+    # deep inside its async machinery.
+    found = sorted(os.listdir(os.path.join(self.directory, str(step))))
+    missing = [item for item in ITEMS if item not in found]
+    if missing:
+      self._fail(step, f"it is not a trainer checkpoint: no {missing} item (found {found})")
     try:
       meta = self.manager.restore(step, args=_ocp().args.Composite(
           meta=_ocp().args.JsonRestore())).meta
@@ -86,12 +93,14 @@ class Checkpoints:
       self._fail(step, f"its meta record is not a format-{FORMAT} trainer record: {meta!r}")
     return meta
 
-  def check(self, step: int, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
-    """Raises CheckpointError if the checkpoint belongs to another run."""
+  def check(self, step: int, meta: dict[str, Any], fingerprint: dict[str, Any],
+            data: bool = True) -> None:
+    """Raises CheckpointError if the checkpoint belongs to another run (or, with `data`,
+    if its data position cannot be resumed by this many processes)."""
     differences = config_lib.diff(meta["fingerprint"], fingerprint)
     if differences:
       self._fail(step, "the config differs from the checkpoint's: " + "; ".join(differences))
-    if meta["process_count"] != jax.process_count():
+    if data and meta["process_count"] != jax.process_count():
       self._fail(step, f"it was written by {meta['process_count']} processes, this run has "
                  f"{jax.process_count()} (the data position is per process)")
 
@@ -127,13 +136,17 @@ def load_state(config, workdir: str, step: int | None = None) -> tuple[TrainStat
   `config` and laid out on this process's devices as training would lay it out."""
   from sse_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
   config_lib.validate(config)
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"no checkpoints in workdir {workdir} ({directory} is missing)")
   program = program_lib.build(config)
   checkpoints = Checkpoints(workdir, keep=1 << 30)
   try:
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"no checkpoint in {checkpoints.directory} (workdir {workdir})")
-    checkpoints.check(step, checkpoints.read_meta(step), config_lib.fingerprint(config))
+    checkpoints.check(step, checkpoints.read_meta(step), config_lib.fingerprint(config),
+                      data=False)
     return checkpoints.restore(step, program.restore_target()), step
   finally:
     checkpoints.close()

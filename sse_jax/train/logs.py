@@ -58,8 +58,8 @@ class MetricsLog:
     os.replace(self.path + ".tmp", self.path)
     self._file = open(self.path, "a")
     self._tb = EventWriter(os.path.join(workdir, "tb"))
-    if resume_step is not None:
-      self._tb.session_start(resume_step + 1)
+    # TensorBoard then hides what earlier (killed) runs in this workdir logged from here on.
+    self._tb.session_start((resume_step or 0) + 1)
 
   def write(self, record: dict[str, Any]) -> None:
     self.records.append(record)

@@ -132,6 +132,7 @@ class _Run:
 
   def _non_finite(self, step: int, name: str, m: dict[str, float]):
     values = ", ".join(f"{k}={m[k]:.6g}" for k in ("loss", "ce", "aux_loss", "grad_norm", "lr"))
+    self.checkpoints.wait()  # so that the step named below is on disk
     latest = self.checkpoints.latest_step()
     where = (f"the last checkpoint is step {latest} in {self.checkpoints.directory}"
              if latest is not None else "no checkpoint was written")
