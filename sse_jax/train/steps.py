@@ -36,7 +36,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    m = {**m, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+    m = {**m, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
     return TrainState(state.step + 1, params, opt_state, state.rng), m
 
   return jax.jit(step, in_shardings=(state_sharding, batch_sharding),
