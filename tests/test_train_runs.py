@@ -489,16 +489,7 @@ def batch_gathers(hlo) -> list[dict]:
 def test_step_is_data_parallel_and_sse_packing_stays_local(hlo):
   assert hlo["mesh"] == {"data": 8, "model": 1} and hlo["all_reduces"] > 0  # grads summed
   # The SSE op (varlen packing: sorts and gathers over the flattened batch) runs per data
-  # shard: none of its activations are gathered. The router's top_k is the known
-  # exception (next test).
-  others = [g for g in batch_gathers(hlo) if "top_k" not in g["op"]]
-  assert not others, json.dumps(others, indent=1)
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "layers/router.py uses jax.lax.top_k, which GSPMD does not partition along the batch: "
-    "the router probabilities [B, T, N] are all-gathered (jnp.argsort or top_k inside the "
-    "per-shard wrapper would keep them local)"))
-def test_no_activation_is_gathered_along_the_batch(hlo):
+  # shard and the router's top-k is a sort GSPMD partitions: nothing is gathered.
   gathered = batch_gathers(hlo)
   assert not gathered, json.dumps(gathered, indent=1)
+

@@ -48,6 +48,16 @@ def load_balance(probs: jax.Array, indices: jax.Array, num_partitions: int):
   return num_partitions / k * jnp.sum(f * p), f
 
 
+def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`jax.lax.top_k` over the last axis (ties: lower index first), as a stable sort.
+
+  Why not lax.top_k: under a batch-sharded `jit`, GSPMD all-gathers top_k's operand
+  across the batch, while it partitions a sort; routing must stay on each data shard.
+  """
+  idx = jnp.argsort(-probs, axis=-1, stable=True)[..., :k]
+  return jnp.take_along_axis(probs, idx, axis=-1), idx
+
+
 class Router(nnx.Module):
   """W_e [D, N], always float32 (routing decisions are sensitive to rounding)."""
 
@@ -63,10 +73,10 @@ class Router(nnx.Module):
     logits = jnp.einsum("btd,dn->btn", x.astype(jnp.float32), self.kernel[...],
                         precision=jax.lax.Precision.HIGHEST)
     probs = jax.nn.softmax(logits, axis=-1)
-    ww, wi = jax.lax.top_k(probs, self.num_writers)
+    ww, wi = top_k(probs, self.num_writers)
     rw = ri = None
     if self.num_readers != self.num_writers:
-      rw, ri = jax.lax.top_k(probs, self.num_readers)
+      rw, ri = top_k(probs, self.num_readers)
       ri = ri.astype(jnp.int32)
     aux, usage = load_balance(probs, wi, self.num_partitions)
     return Routing(probs, ww, wi.astype(jnp.int32), rw, ri, aux, usage)
