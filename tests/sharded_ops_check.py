@@ -10,7 +10,8 @@ import functools
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
 
 import jax  # pylint: disable=g-import-not-at-top
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
