@@ -208,9 +208,10 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
     ax.bar(range(len(rows)), [r["metric"] for r in rows],
            yerr=[r["metric_std"] for r in rows], capsize=3, color="tab:blue")
     ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
-    paper = dict(cfg.paper)
-    if paper and all(n in paper for n in names if not n.endswith("(reference)")):
-      ax.set_title("paper: " + ", ".join(f"{k} {v}" for k, v in paper.items()), fontsize=7)
+    paper = {k: v for k, v in dict(cfg.paper).items() if isinstance(v, (int, float))}
+    if paper:
+      ax.set_title("paper (real-retrieval avg.): "
+                   + ", ".join(f"{k} {v}" for k, v in paper.items()), fontsize=7)
   ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
@@ -237,8 +238,8 @@ def main(argv):
   root = pathlib.Path(FLAGS.workdir) / cfg.name
   root.mkdir(parents=True, exist_ok=True)
   jobs = expand(cfg, root)
-  command = "python -m experiments.ablation " + " ".join(
-      a for a in sys.argv[1:] if not a.startswith("--workdir"))
+  command = "python -m experiments.ablation " + " ".join(  # what reproduces the runs
+      a for a in sys.argv[1:] if not a.startswith(("--workdir", "--report_only")))
   if not FLAGS.report_only:
     todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
     t0 = time.time()
