@@ -6,7 +6,8 @@ r"""Runs one of the paper's ablations and writes its table and figure.
 Every run of the sweep (config.runs x config.lrs x config.seeds) trains with
 `sse_jax.train.train_and_evaluate` into <workdir>/<sweep>/<run>/lr<lr>_s<seed>/; a run
 whose summary.json exists is skipped, so an interrupted sweep resumes where it stopped
-(and an interrupted run resumes from its last checkpoint). At the end the sweep
+(and an interrupted run resumes from its last checkpoint). With --workers=W, W runs
+train at once in child processes (logs in each run's train.log). At the end the sweep
 directory receives results.json, results.csv, results.md and <sweep>.png; with
 --results=DIR they are copied there too.
 
@@ -21,8 +22,11 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from typing import Any
@@ -35,6 +39,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from sse_jax import train as train_lib
+from sse_jax.train import logs
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Experiment config file, e.g."
@@ -43,6 +48,10 @@ flags.DEFINE_string("workdir", "workdir", "Root of the run directories.")
 flags.DEFINE_string("results", "", "Also copy the tables and figure into this directory.")
 flags.DEFINE_list("only", [], "Run only these run names (the report covers all finished runs).")
 flags.DEFINE_bool("report_only", False, "Only rebuild the report from finished runs.")
+flags.DEFINE_integer("workers", 1, "Runs trained at once, each in its own process: a small"
+                     " model leaves a GPU mostly idle. On GPU each process may take"
+                     " 0.9 / workers of the device memory.")
+flags.DEFINE_string("job", "", "(internal) train the one run <run>/lr<lr>_s<seed> and exit.")
 
 
 @dataclasses.dataclass
@@ -91,6 +100,16 @@ def read_summary(job: Job) -> dict[str, Any] | None:
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def read_partial(job: Job) -> dict[str, Any] | None:
+  """A summary-like view of a run that did not finish: its last evaluation, or None."""
+  records = logs.read_records(str(job.dir / "metrics.jsonl"))
+  evals = [r for r in records if r.get("kind") == "eval"]
+  if not evals:
+    return None
+  return {"step": evals[-1]["step"], "finished": False, "eval": evals[-1],
+          "history": logs.history(records)}
+
+
 def metric(summary: dict[str, Any], name: str) -> float:
   """Summary metric by name: "eval_accuracy" -> summary["eval"]["accuracy"]."""
   split, _, key = name.partition("_")
@@ -107,14 +126,26 @@ def router_stats(summary: dict[str, Any]) -> dict[str, float]:
 
 
 def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
-  """One row per run: the best learning rate and its metric over seeds."""
+  """One row per run: the best learning rate and its metric over seeds.
+
+  A run none of whose jobs finished is reported from its last evaluation, marked
+  finished=False with the step it reached (an interrupted sweep still shows where
+  every run got to); finished jobs always take precedence.
+  """
   rows = []
   for run in cfg.runs:
+    mine = [job for job in jobs if job.run == run["name"]]
     by_lr: dict[float, list[dict[str, Any]]] = {}
-    for job in jobs:
-      summary = read_summary(job) if job.run == run["name"] else None
+    for job in mine:
+      summary = read_summary(job)
       if summary is not None:
         by_lr.setdefault(job.lr, []).append(summary)
+    finished = bool(by_lr)
+    if not finished:
+      for job in mine:
+        partial = read_partial(job)
+        if partial is not None:
+          by_lr.setdefault(job.lr, []).append(partial)
     if not by_lr:
       continue
     lr_loss = {lr: float(np.mean([s["eval"]["loss"] for s in ss])) for lr, ss in by_lr.items()}
@@ -126,6 +157,7 @@ def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
         seeds=len(ss), metric=float(np.mean(values)),
         metric_std=float(np.std(values)) if len(values) > 1 else 0.0,
         eval_loss=float(np.mean([s["eval"]["loss"] for s in ss])),
+        finished=finished, step=int(min(s["step"] for s in ss)),
         params=ss[0].get("params"), tokens_per_s=ss[0].get("tokens_per_s"),
         wall_time_s=float(np.sum([s.get("wall_time_s", 0.0) for s in ss])),
         curves=[s["history"] for s in ss], **router_stats(ss[0])))
@@ -142,7 +174,8 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
       name=cfg.name, description=cfg.description, metric=cfg.metric, command=command,
       paper=cfg.paper.to_dict() if hasattr(cfg.paper, "to_dict") else dict(cfg.paper),
       rows=rows), indent=1))
-  fields = ["run", "labels", "lr", "seeds", "metric", "metric_std", "eval_loss", "params",
+  fields = ["run", "labels", "lr", "seeds", "metric", "metric_std", "eval_loss", "step",
+            "finished", "params",
             "usage_entropy", "usage_max", "tokens_per_s", "wall_time_s"]
   with open(out / "results.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -157,10 +190,15 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
            " | router max usage | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
   for r in plain:
     m = fmt(r["metric"]) + (f" ± {r['metric_std']:.4f}" if r["seeds"] > 1 else "")
+    if not r["finished"]:
+      m += f" (unfinished: step {r['step']} of {cfg.train.num_steps})"
     lines.append(f"| {r['run']} | {label_text(r['labels'])} | {r['lr']:g} | {m} | "
                  f"{fmt(r['eval_loss'])} | {fmt(r['params'], '{:,}')} | "
                  f"{fmt(r.get('usage_entropy'), '{:.3f}')} | {fmt(r.get('usage_max'), '{:.3f}')}"
                  f" | {fmt(r['tokens_per_s'], '{:,.0f}')} |")
+  if not all(r["finished"] for r in plain):
+    lines += ["", "Unfinished runs were stopped before the last step: their value is their"
+              " last evaluation (hollow markers / white bars in the figure)."]
   if cfg.paper:
     lines += ["", "Paper: " + ", ".join(f"{k}: {v}" for k, v in dict(cfg.paper).items())]
   (out / "results.md").write_text("\n".join(lines) + "\n")
@@ -185,8 +223,13 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
                     if r["labels"].get("ratio") == ratio]
                    + [(r["labels"]["N"], r["metric"], r["metric_std"]) for r in start])
       if pts:
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts],
-                    fmt=style, capsize=3, label=f"k/N = {ratio:.0%}")
+        line = ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts],
+                           fmt=style, capsize=3, label=f"k/N = {ratio:.0%}")
+        late = [(r["labels"]["N"], r["metric"]) for r in rows if not r["finished"]
+                and r["labels"].get("ratio") in (ratio, "all")]
+        if late:  # unfinished runs: hollow markers
+          ax.plot([p[0] for p in late], [p[1] for p in late], style[0], markersize=9,
+                  markerfacecolor="white", color=line[0].get_color(), zorder=3)
     for r in rows:
       if "baseline" in r["labels"]:
         ax.axhline(r["metric"], linestyle="--", linewidth=1, color="gray")
@@ -206,7 +249,11 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
   else:  # bars
     names = [r["labels"].get("variant", r["run"]) for r in rows]
     ax.bar(range(len(rows)), [r["metric"] for r in rows],
-           yerr=[r["metric_std"] for r in rows], capsize=3, color="tab:blue")
+           yerr=[r["metric_std"] for r in rows], capsize=3,
+           color=["tab:blue" if r["finished"] else "white" for r in rows],
+           edgecolor="tab:blue", hatch=None)
+    names = [n if r["finished"] else f"{n}\n(unfinished, step {r['step']})"
+             for n, r in zip(names, rows)]
     ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
     paper = {k: v for k, v in dict(cfg.paper).items() if isinstance(v, (int, float))}
     if paper:
@@ -229,29 +276,129 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def _job_id(job: Job) -> str:
+  return f"{job.run}/{job.dir.name}"
+
+
+def train_serially(todo: list[Job]) -> None:
+  t0 = time.time()
+  for i, job in enumerate(todo, 1):
+    print(f"[{i}/{len(todo)}] {job.run} lr={job.lr:g} seed={job.seed} "
+          f"({label_text(job.labels)}) -> {job.dir}  [{time.time() - t0:.0f}s elapsed]",
+          flush=True)
+    train_lib.train_and_evaluate(job.config, str(job.dir))
+
+
+def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
+  """argv less the named flags, in both the "--f=v" and the "--f v" forms."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a in names and a not in ("--report_only",):
+      skip = True
+    elif not a.split("=")[0] in names + tuple("--no" + n[2:] for n in names):
+      out.append(a)
+  return out
+
+
+def _child_env(workers: int) -> dict[str, str]:
+  env = dict(os.environ)
+  # Each process would otherwise reserve 75% of a GPU's memory for itself.
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / workers:.3f}")
+  return env
+
+
+def train_in_parallel(todo: list[Job], workers: int) -> list[str]:
+  """Trains the jobs in up to `workers` child processes; returns the failed job ids.
+
+  A child re-runs this program with the same flags plus --job; its output goes to
+  <run dir>/train.log. Killing the parent (Ctrl-C, SIGTERM) ends the children too.
+  """
+  argv = _without(sys.argv[1:], ("--workers", "--only", "--results", "--report_only",
+                                 "--job"))
+  env = _child_env(workers)
+  queue, running, failed = list(todo), {}, []
+  t0, done = time.time(), 0
+
+  def stop(signum, frame):
+    del frame
+    raise SystemExit(f"stopped by signal {signum}")
+
+  previous = signal.signal(signal.SIGTERM, stop)
+  try:
+    while queue or running:
+      while queue and len(running) < workers:
+        job = queue.pop(0)
+        job.dir.mkdir(parents=True, exist_ok=True)
+        log = open(job.dir / "train.log", "ab")
+        cmd = [sys.executable, "-m", "experiments.ablation", *argv, f"--job={_job_id(job)}"]
+        running[_job_id(job)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                  env=env), log, job, time.time())
+        print(f"[{time.time() - t0:5.0f}s] start  {_job_id(job)} ({label_text(job.labels)})",
+              flush=True)
+      time.sleep(0.5)
+      for key, (proc, log, job, started) in list(running.items()):
+        if proc.poll() is None:
+          continue
+        log.close()
+        del running[key]
+        done += 1
+        summary = read_summary(job)
+        if proc.returncode == 0 and summary is not None:
+          ev = summary.get("eval") or {}
+          result = ", ".join(f"{k}={ev[k]:.4f}" for k in ("loss", "accuracy") if k in ev)
+        else:
+          failed.append(key)
+          tail = (job.dir / "train.log").read_text(errors="replace").splitlines()[-5:]
+          result = f"FAILED (exit {proc.returncode}): " + " | ".join(tail)
+        print(f"[{time.time() - t0:5.0f}s] {done}/{len(todo)} done {key} in "
+              f"{time.time() - started:.0f}s: {result}", flush=True)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    for proc, log, _, _ in running.values():
+      proc.terminate()
+    for proc, log, _, _ in running.values():
+      proc.wait()
+      log.close()
+  return failed
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # checkpointing logs every save at INFO
   cfg = FLAGS.config
   if cfg is None:
     raise app.UsageError("--config is required, e.g. --config=configs/fig7.py:cpu")
+  if FLAGS.workers < 1:
+    raise app.UsageError(f"--workers={FLAGS.workers}: must be >= 1")
   root = pathlib.Path(FLAGS.workdir) / cfg.name
   root.mkdir(parents=True, exist_ok=True)
   jobs = expand(cfg, root)
+  if FLAGS.job:
+    match = [j for j in jobs if _job_id(j) == FLAGS.job]
+    if not match:
+      raise app.UsageError(f"--job={FLAGS.job!r}: no such run in {cfg.name}; runs: "
+                           + ", ".join(_job_id(j) for j in jobs))
+    train_lib.train_and_evaluate(match[0].config, str(match[0].dir))
+    return
+  names = {j.run for j in jobs}
+  unknown = [n for n in FLAGS.only if n not in names]
+  if unknown:
+    raise app.UsageError(f"--only: unknown run names {unknown}; runs: {sorted(names)}")
   command = "python -m experiments.ablation " + " ".join(  # what reproduces the runs
-      a for a in sys.argv[1:] if not a.startswith(("--workdir", "--report_only")))
+      _without(sys.argv[1:], ("--workdir", "--report_only", "--workers")))
+  failed = []
   if not FLAGS.report_only:
     todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
-    t0 = time.time()
-    for i, job in enumerate(todo, 1):
-      if read_summary(job) is not None:
-        print(f"[{i}/{len(todo)}] {job.run} lr={job.lr:g} seed={job.seed}: finished, skipped",
-              flush=True)
-        continue
-      print(f"[{i}/{len(todo)}] {job.run} lr={job.lr:g} seed={job.seed} "
-            f"({label_text(job.labels)}) -> {job.dir}  [{time.time() - t0:.0f}s elapsed]",
-            flush=True)
-      train_lib.train_and_evaluate(job.config, str(job.dir))
+    finished = [j for j in todo if read_summary(j) is not None]
+    if finished:
+      print(f"{len(finished)} of {len(todo)} runs already finished: skipped", flush=True)
+    todo = [j for j in todo if read_summary(j) is None]
+    if FLAGS.workers > 1 and len(todo) > 1:
+      failed = train_in_parallel(todo, FLAGS.workers)
+    else:
+      train_serially(todo)
   rows = collect(cfg, jobs)
   if not rows:
     raise SystemExit(f"no finished runs under {root}")
@@ -264,6 +411,8 @@ def main(argv):
     for name in ("results.json", "results.csv", "results.md", f"{cfg.name}.png"):
       shutil.copy(root / name, dest / name)
     print(f"copied the report to {dest}")
+  if failed:
+    raise SystemExit(f"{len(failed)} runs failed (see their train.log): {failed}")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,9 @@ def main():
              cot=rnd(*shape).bfloat16())
     w, idx = rnd(1, length, n).softmax(-1).topk(top_k, dim=-1)
     x.update(w=w, idx=idx, cu=torch.tensor([0, length // 2, length], device=dev))
-    for name in ("q", "k", "v", "g", "w"):
-      x[name].requires_grad_(True)
+    for name in ("q", "k", "v", "g", "w", "q0", "k0"):  # our op also differentiates the
+      x[name].requires_grad_(True)                   # shared partition's q', k'
+
     return x
 
   def dense(x, n):
@@ -95,7 +96,7 @@ def main():
 
   def time_fb(fn, x, n):
     def run():
-      for name in ("q", "k", "v", "g", "w"):
+      for name in ("q", "k", "v", "g", "w", "q0", "k0"):
         x[name].grad = None
       o = fn(x, n)
       (o.float() * x["cot"].float()).sum().backward()

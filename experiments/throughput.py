@@ -10,13 +10,23 @@ of tokens per step (batch = tokens / T), each with its fastest implementation
 (`impl="auto"`: Pallas kernels on GPU; attention through cuDNN when available).
 Reports tokens/s (median step time after warm-up) and the device's peak memory.
 Writes <out>/throughput.json, .md and .png.
+
+With --workers=W, W child processes build and compile the (variant, T) points at once
+(compilation is host work), but each holds an exclusive file lock while it is timed, so
+no two timings share the device. Each child may use 0.9 / W of the device memory, which
+then bounds the peak memory a point can reach (a point that does not fit is reported
+as an error).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -38,6 +48,22 @@ flags.DEFINE_integer("steps", 10, "Timed steps (median reported).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
 flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA layers.")
 flags.DEFINE_string("out", "results/throughput", "Output directory.")
+flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes.")
+flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
+
+
+@contextlib.contextmanager
+def exclusive(path: str):
+  """Holds an exclusive lock on `path` (no-op for an empty path)."""
+  if not path:
+    yield
+    return
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build(variant: str):
@@ -74,21 +100,58 @@ def measure(variant: str, length: int) -> dict:
   state, loss = step(state, tokens)
   jax.block_until_ready(loss)
   compile_s = time.perf_counter() - t0
-  for _ in range(FLAGS.warmup):
-    state, loss = step(state, tokens)
-  jax.block_until_ready(loss)
   times = []
-  for _ in range(FLAGS.steps):
-    t0 = time.perf_counter()
-    state, loss = step(state, tokens)
+  with exclusive(FLAGS.lock):  # warm-up too: the first runs autotune on the device
+    for _ in range(FLAGS.warmup):
+      state, loss = step(state, tokens)
     jax.block_until_ready(loss)
-    times.append(time.perf_counter() - t0)
+    for _ in range(FLAGS.steps):
+      t0 = time.perf_counter()
+      state, loss = step(state, tokens)
+      jax.block_until_ready(loss)
+      times.append(time.perf_counter() - t0)
   stats = jax.devices()[0].memory_stats() or {}
   sec = statistics.median(times)
   return dict(variant=variant, length=length, batch=batch, step_s=sec,
               tokens_per_s=batch * length / sec, compile_s=compile_s,
               peak_gib=stats.get("peak_bytes_in_use", float("nan")) / 2**30,
               params=count_params(config).total, loss=float(loss))
+
+
+def measure_in_children(points, out: pathlib.Path) -> list[dict]:
+  """Measures each point in its own child process, FLAGS.workers at a time."""
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / FLAGS.workers:.3f}")
+  lock = str(out / ".timing.lock")
+  queue, running, rows = list(points), [], {}
+  while queue or running:
+    while queue and len(running) < FLAGS.workers:
+      variant, length = queue.pop(0)
+      sub = out / "points" / f"{variant}_{length}"
+      sub.mkdir(parents=True, exist_ok=True)
+      cmd = [sys.executable, "-m", "experiments.throughput", f"--size={FLAGS.size}",
+             f"--variants={variant}", f"--lengths={length}", f"--tokens={FLAGS.tokens}",
+             f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--impl={FLAGS.impl}",
+             f"--out={sub}", f"--lock={lock}", "--workers=1"]
+      log = open(sub / "log.txt", "w")
+      running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                      log, variant, length, sub))
+    time.sleep(0.5)
+    for item in list(running):
+      proc, log, variant, length, sub = item
+      if proc.poll() is None:
+        continue
+      running.remove(item)
+      log.close()
+      try:
+        row = json.loads((sub / "throughput.json").read_text())["rows"][0]
+      except (OSError, ValueError, KeyError, IndexError):
+        tail = (sub / "log.txt").read_text(errors="replace").splitlines()[-3:]
+        row = dict(variant=variant, length=length,
+                   error=f"child exit {proc.returncode}: " + " | ".join(tail)[:300])
+      rows[(variant, length)] = row
+      print(json.dumps(row), flush=True)
+  return [rows[p] for p in points]
 
 
 def main(argv):
@@ -98,16 +161,20 @@ def main(argv):
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, size=FLAGS.size,
               tokens_per_step=FLAGS.tokens, impl=FLAGS.impl,
               command="python -m experiments.throughput " + " ".join(sys.argv[1:]))
-  rows = []
-  for length in (int(v) for v in FLAGS.lengths):
-    for variant in FLAGS.variants:
+  points = [(v, int(t)) for t in FLAGS.lengths for v in FLAGS.variants]
+  if FLAGS.workers > 1:
+    meta["workers"] = FLAGS.workers
+    rows = measure_in_children(points, out)
+  else:
+    rows = []
+    for variant, length in points:
       try:
         row = measure(variant, length)
       except Exception as e:  # e.g. out of memory: record it and go on
         row = dict(variant=variant, length=length, error=f"{type(e).__name__}: {e}"[:300])
       rows.append(row)
       print(json.dumps(row), flush=True)
-      (out / "throughput.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  (out / "throughput.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
   lines = [f"Command: `{meta['command']}` on {meta['device']}", "",
            "| model | T | batch | tokens/s | step ms | peak GiB | compile s |",
            "|---|---|---|---|---|---|---|"]
@@ -119,6 +186,8 @@ def main(argv):
                    f" | {r['step_s'] * 1e3:.1f} | {r['peak_gib']:.1f} | {r['compile_s']:.0f} |")
   (out / "throughput.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
+  if FLAGS.lock:  # a child: the parent draws the figure
+    return
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

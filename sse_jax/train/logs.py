@@ -40,6 +40,20 @@ def read_records(path: str) -> list[dict[str, Any]]:
   return records
 
 
+def history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The eval records as learning-curve entries: step, train_loss, eval_*, router."""
+  out = []
+  for r in records:
+    if r.get("kind") != "eval":
+      continue
+    entry = {"step": r["step"], "train_loss": r.get("train_loss")}
+    entry.update({f"eval_{k}": v for k, v in r.items()
+                  if k not in ("kind", "step", "train_loss", "router", "time")})
+    entry["router"] = r.get("router", [])
+    out.append(entry)
+  return out
+
+
 class MetricsLog:
   """Appends records to metrics.jsonl and TensorBoard; a no-op unless `active`."""
 
@@ -77,16 +91,7 @@ class MetricsLog:
 
   def history(self) -> list[dict[str, Any]]:
     """One entry per evaluation: step, train_loss, eval_* metrics, router statistics."""
-    out = []
-    for r in self.records:
-      if r.get("kind") != "eval":
-        continue
-      entry = {"step": r["step"], "train_loss": r.get("train_loss")}
-      entry.update({f"eval_{k}": v for k, v in r.items()
-                    if k not in ("kind", "step", "train_loss", "router", "time")})
-      entry["router"] = r.get("router", [])
-      out.append(entry)
-    return out
+    return history(self.records)
 
   def close(self) -> None:
     if self.active:

@@ -1,0 +1,70 @@
+"""The ablation runner's sweep mechanics: parallel workers, skipping finished runs, and
+reports that show unfinished runs as such."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from configs import table8
+from experiments import ablation
+
+TINY = ["--config.train.num_steps=2", "--config.train.eval_every=1",
+        "--config.train.log_every=1", "--config.train.checkpoint_every=2",
+        "--config.train.batch_size=4", "--config.train.eval_batches=1",
+        "--config.train.warmup_steps=1", "--config.train.progress=False"]
+
+
+def test_without_drops_flags_in_both_forms():
+  argv = ["--config=c.py:cpu", "--workers=4", "--only", "a,b", "--results=r", "--x=1",
+          "--report_only", "--noreport_only"]
+  assert ablation._without(argv, ("--workers", "--only", "--results", "--report_only")) == [
+      "--config=c.py:cpu", "--x=1"]
+
+
+def test_parallel_sweep_trains_every_run_and_reports(tmp_path):
+  cmd = [sys.executable, "-m", "experiments.ablation", "--config=configs/table8.py:cpu",
+         f"--workdir={tmp_path}", "--workers=2", *TINY]
+  first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+  cfg = table8.get_config("cpu")
+  cfg.train.num_steps = 2
+  jobs = ablation.expand(cfg, tmp_path / cfg.name)
+  for job in jobs:  # each child trained its run to the end and logged to train.log
+    summary = ablation.read_summary(job)
+    assert summary is not None and summary["step"] == 2, job.dir
+    assert (job.dir / "train.log").exists()
+  results = json.loads((tmp_path / cfg.name / "results.json").read_text())
+  assert [r["run"] for r in results["rows"]] == [r["name"] for r in cfg.runs]
+  assert all(r["finished"] for r in results["rows"])
+  assert "--workers" not in results["command"]
+  again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"{len(jobs)} of {len(jobs)} runs already finished" in again.stdout
+
+
+def _eval_record(step, loss, accuracy):
+  return {"kind": "eval", "step": step, "train_loss": loss, "loss": loss,
+          "accuracy": accuracy, "router": []}
+
+
+def test_unfinished_runs_are_reported_from_their_last_eval(tmp_path):
+  cfg = table8.get_config("cpu")
+  shared, separate = ablation.expand(cfg, tmp_path)
+  separate.dir.mkdir(parents=True)
+  records = [_eval_record(50, 3.0, 0.25), _eval_record(75, 2.0, 0.5)]
+  (separate.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  assert ablation.collect(cfg, [shared, separate])[0]["run"] == "separate"
+  row = ablation.collect(cfg, [shared, separate])[0]
+  assert not row["finished"] and row["step"] == 75
+  assert row["metric"] == 0.5 and row["eval_loss"] == 2.0
+  assert [h["step"] for h in row["curves"][0]] == [50, 75]
+  ablation.write_tables(cfg, [row], tmp_path, "cmd")
+  assert f"(unfinished: step 75 of {cfg.train.num_steps})" in (tmp_path / "results.md").read_text()
+  # A finished job of the same run takes precedence over the partial log.
+  summary = {"step": 100, "finished": True, "eval": _eval_record(100, 1.0, 0.75),
+             "history": [], "params": 1}
+  (separate.dir / "summary.json").write_text(json.dumps(summary))
+  row = ablation.collect(cfg, [shared, separate])[0]
+  assert row["finished"] and row["step"] == 100 and row["metric"] == 0.75
