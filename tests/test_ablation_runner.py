@@ -68,3 +68,23 @@ def test_unfinished_runs_are_reported_from_their_last_eval(tmp_path):
   (separate.dir / "summary.json").write_text(json.dumps(summary))
   row = ablation.collect(cfg, [shared, separate])[0]
   assert row["finished"] and row["step"] == 100 and row["metric"] == 0.75
+
+
+def test_compare_runs_overlays_curves(tmp_path):
+  runs = []
+  for name, acc in (("a", 0.25), ("b", 0.75)):
+    run = tmp_path / name
+    run.mkdir()
+    lines = [json.dumps({"kind": "train", "step": 10, "loss": 1.0}),
+             json.dumps(_eval_record(10, 2.0, acc / 2)), json.dumps(_eval_record(20, 1.0, acc))]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    runs.append(f"{name} run={run}")
+  out = tmp_path / "out"
+  proc = subprocess.run([sys.executable, "-m", "experiments.compare_runs", f"--out={out}",
+                         "--runs=" + ",".join(runs)], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  curves = json.loads((out / "compare.json").read_text())["runs"]
+  assert [h["eval_accuracy"] for h in curves["b run"]] == [0.375, 0.75]
+  assert [h["step"] for h in curves["a run"]] == [10, 20]
+  assert (out / "compare.png").stat().st_size > 0
