@@ -22,11 +22,8 @@ import csv
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -38,6 +35,7 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 
+from experiments import pool
 from sse_jax import train as train_lib
 from sse_jax.train import logs
 
@@ -251,7 +249,7 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
     ax.bar(range(len(rows)), [r["metric"] for r in rows],
            yerr=[r["metric_std"] for r in rows], capsize=3,
            color=["tab:blue" if r["finished"] else "white" for r in rows],
-           edgecolor="tab:blue", hatch=None)
+           edgecolor="tab:blue")
     names = [n if r["finished"] else f"{n}\n(unfinished, step {r['step']})"
              for n, r in zip(names, rows)]
     ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
@@ -289,24 +287,23 @@ def train_serially(todo: list[Job]) -> None:
     train_lib.train_and_evaluate(job.config, str(job.dir))
 
 
+_BOOL_FLAGS = ("--report_only",)  # flags that never take a separate value
+
+
 def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
-  """argv less the named flags, in both the "--f=v" and the "--f v" forms."""
-  out, skip = [], False
+  """argv less the named flags, in the "--f=v", "--f v" and "--nof" forms."""
+  drop = names + tuple("--no" + n[2:] for n in names)
+  out, skip_value = [], False
   for a in argv:
-    if skip:
-      skip = False
-    elif a in names and a not in ("--report_only",):
-      skip = True
-    elif not a.split("=")[0] in names + tuple("--no" + n[2:] for n in names):
-      out.append(a)
+    if skip_value:
+      skip_value = False
+      continue
+    flag = a.split("=")[0]
+    if flag in drop:
+      skip_value = a == flag and flag in names and flag not in _BOOL_FLAGS
+      continue
+    out.append(a)
   return out
-
-
-def _child_env(workers: int) -> dict[str, str]:
-  env = dict(os.environ)
-  # Each process would otherwise reserve 75% of a GPU's memory for itself.
-  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / workers:.3f}")
-  return env
 
 
 def train_in_parallel(todo: list[Job], workers: int) -> list[str]:
@@ -317,50 +314,33 @@ def train_in_parallel(todo: list[Job], workers: int) -> list[str]:
   """
   argv = _without(sys.argv[1:], ("--workers", "--only", "--results", "--report_only",
                                  "--job"))
-  env = _child_env(workers)
-  queue, running, failed = list(todo), {}, []
-  t0, done = time.time(), 0
+  failed, ended, t0 = [], [], time.time()
 
-  def stop(signum, frame):
-    del frame
-    raise SystemExit(f"stopped by signal {signum}")
+  def log_path(job: Job) -> pathlib.Path:
+    job.dir.mkdir(parents=True, exist_ok=True)
+    return job.dir / "train.log"
 
-  previous = signal.signal(signal.SIGTERM, stop)
-  try:
-    while queue or running:
-      while queue and len(running) < workers:
-        job = queue.pop(0)
-        job.dir.mkdir(parents=True, exist_ok=True)
-        log = open(job.dir / "train.log", "ab")
-        cmd = [sys.executable, "-m", "experiments.ablation", *argv, f"--job={_job_id(job)}"]
-        running[_job_id(job)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                  env=env), log, job, time.time())
-        print(f"[{time.time() - t0:5.0f}s] start  {_job_id(job)} ({label_text(job.labels)})",
-              flush=True)
-      time.sleep(0.5)
-      for key, (proc, log, job, started) in list(running.items()):
-        if proc.poll() is None:
-          continue
-        log.close()
-        del running[key]
-        done += 1
-        summary = read_summary(job)
-        if proc.returncode == 0 and summary is not None:
-          ev = summary.get("eval") or {}
-          result = ", ".join(f"{k}={ev[k]:.4f}" for k in ("loss", "accuracy") if k in ev)
-        else:
-          failed.append(key)
-          tail = (job.dir / "train.log").read_text(errors="replace").splitlines()[-5:]
-          result = f"FAILED (exit {proc.returncode}): " + " | ".join(tail)
-        print(f"[{time.time() - t0:5.0f}s] {done}/{len(todo)} done {key} in "
-              f"{time.time() - started:.0f}s: {result}", flush=True)
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-    for proc, log, _, _ in running.values():
-      proc.terminate()
-    for proc, log, _, _ in running.values():
-      proc.wait()
-      log.close()
+  def on_start(job: Job) -> None:
+    print(f"[{time.time() - t0:5.0f}s] start  {_job_id(job)} ({label_text(job.labels)})",
+          flush=True)
+
+  def on_exit(job: Job, returncode: int, seconds: float) -> None:
+    ended.append(_job_id(job))
+    summary = read_summary(job)
+    if returncode == 0 and summary is not None:
+      ev = summary.get("eval") or {}
+      result = ", ".join(f"{k}={ev[k]:.4f}" for k in ("loss", "accuracy") if k in ev)
+    else:
+      failed.append(_job_id(job))
+      tail = (job.dir / "train.log").read_text(errors="replace").splitlines()[-5:]
+      result = f"FAILED (exit {returncode}): " + " | ".join(tail)
+    print(f"[{time.time() - t0:5.0f}s] {len(ended)}/{len(todo)} done {_job_id(job)} in "
+          f"{seconds:.0f}s: {result}", flush=True)
+
+  pool.run(todo, workers,
+           lambda job: [sys.executable, "-m", "experiments.ablation", *argv,
+                        f"--job={_job_id(job)}"],
+           log_path, on_exit, on_start)
   return failed
 
 
@@ -391,14 +371,14 @@ def main(argv):
   failed = []
   if not FLAGS.report_only:
     todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
-    finished = [j for j in todo if read_summary(j) is not None]
-    if finished:
-      print(f"{len(finished)} of {len(todo)} runs already finished: skipped", flush=True)
-    todo = [j for j in todo if read_summary(j) is None]
-    if FLAGS.workers > 1 and len(todo) > 1:
-      failed = train_in_parallel(todo, FLAGS.workers)
+    pending = [j for j in todo if read_summary(j) is None]
+    if len(pending) < len(todo):
+      print(f"{len(todo) - len(pending)} of {len(todo)} runs already finished: skipped",
+            flush=True)
+    if FLAGS.workers > 1 and len(pending) > 1:
+      failed = train_in_parallel(pending, FLAGS.workers)
     else:
-      train_serially(todo)
+      train_serially(pending)
   rows = collect(cfg, jobs)
   if not rows:
     raise SystemExit(f"no finished runs under {root}")

@@ -20,13 +20,9 @@ as an error).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -37,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from experiments import pool
 from sse_jax.model import LanguageModel, count_params, presets
 
 FLAGS = flags.FLAGS
@@ -50,20 +47,6 @@ flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA layers.
 flags.DEFINE_string("out", "results/throughput", "Output directory.")
 flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes.")
 flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
-
-
-@contextlib.contextmanager
-def exclusive(path: str):
-  """Holds an exclusive lock on `path` (no-op for an empty path)."""
-  if not path:
-    yield
-    return
-  with open(path, "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build(variant: str):
@@ -101,7 +84,7 @@ def measure(variant: str, length: int) -> dict:
   jax.block_until_ready(loss)
   compile_s = time.perf_counter() - t0
   times = []
-  with exclusive(FLAGS.lock):  # warm-up too: the first runs autotune on the device
+  with pool.exclusive(FLAGS.lock):  # warm-up too: the first runs autotune on the device
     for _ in range(FLAGS.warmup):
       state, loss = step(state, tokens)
     jax.block_until_ready(loss)
@@ -120,37 +103,36 @@ def measure(variant: str, length: int) -> dict:
 
 def measure_in_children(points, out: pathlib.Path) -> list[dict]:
   """Measures each point in its own child process, FLAGS.workers at a time."""
-  env = dict(os.environ)
-  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / FLAGS.workers:.3f}")
   lock = str(out / ".timing.lock")
-  queue, running, rows = list(points), [], {}
-  while queue or running:
-    while queue and len(running) < FLAGS.workers:
-      variant, length = queue.pop(0)
-      sub = out / "points" / f"{variant}_{length}"
-      sub.mkdir(parents=True, exist_ok=True)
-      cmd = [sys.executable, "-m", "experiments.throughput", f"--size={FLAGS.size}",
-             f"--variants={variant}", f"--lengths={length}", f"--tokens={FLAGS.tokens}",
-             f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--impl={FLAGS.impl}",
-             f"--out={sub}", f"--lock={lock}", "--workers=1"]
-      log = open(sub / "log.txt", "w")
-      running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
-                      log, variant, length, sub))
-    time.sleep(0.5)
-    for item in list(running):
-      proc, log, variant, length, sub = item
-      if proc.poll() is None:
-        continue
-      running.remove(item)
-      log.close()
-      try:
-        row = json.loads((sub / "throughput.json").read_text())["rows"][0]
-      except (OSError, ValueError, KeyError, IndexError):
-        tail = (sub / "log.txt").read_text(errors="replace").splitlines()[-3:]
-        row = dict(variant=variant, length=length,
-                   error=f"child exit {proc.returncode}: " + " | ".join(tail)[:300])
-      rows[(variant, length)] = row
-      print(json.dumps(row), flush=True)
+  rows = {}
+
+  def folder(point) -> pathlib.Path:
+    return out / "points" / f"{point[0]}_{point[1]}"
+
+  def command(point) -> list[str]:
+    variant, length = point
+    return [sys.executable, "-m", "experiments.throughput", f"--size={FLAGS.size}",
+            f"--variants={variant}", f"--lengths={length}", f"--tokens={FLAGS.tokens}",
+            f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--impl={FLAGS.impl}",
+            f"--out={folder(point)}", f"--lock={lock}", "--workers=1"]
+
+  def log_path(point) -> pathlib.Path:
+    folder(point).mkdir(parents=True, exist_ok=True)
+    return folder(point) / "log.txt"
+
+  def on_exit(point, returncode: int, seconds: float) -> None:
+    del seconds
+    sub = folder(point)
+    try:
+      row = json.loads((sub / "throughput.json").read_text())["rows"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+      tail = (sub / "log.txt").read_text(errors="replace").splitlines()[-3:]
+      row = dict(variant=point[0], length=point[1],
+                 error=f"child exit {returncode}: " + " | ".join(tail)[:300])
+    rows[point] = row
+    print(json.dumps(row), flush=True)
+
+  pool.run(points, FLAGS.workers, command, log_path, on_exit)
   return [rows[p] for p in points]
 
 

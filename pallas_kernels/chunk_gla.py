@@ -370,12 +370,19 @@ def _scores(q, k, b, bs, interpret):
   )(q, k, b)
 
 
-def _outputs(q, v, b, a, h_start, valid, bs, interpret):
-  nc, c, h, dk = q.shape
-  dv = v.shape[-1]
+def _value_tiled_specs(c, dk, dv, bs):
+  """For grids (chunk, head, value tile): the value tile width bv, the spec of a whole
+  [C, Dk] key-side block, and the spec of a [C, bv] value-side tile."""
   _, bv = bs.tiles(dk, dv)
   full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
   v_blk = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  return bv, full_k, v_blk
+
+
+def _outputs(q, v, b, a, h_start, valid, bs, interpret):
+  nc, c, h, dk = q.shape
+  dv = v.shape[-1]
+  bv, full_k, v_blk = _value_tiled_specs(c, dk, dv, bs)
   kernel = functools.partial(_output_kernel, dtype=q.dtype)
   return pl.pallas_call(
       kernel, grid=(nc, h, dv // bv),
@@ -391,9 +398,7 @@ def _outputs(q, v, b, a, h_start, valid, bs, interpret):
 def _dv(k, b, a, do, dh, valid, bs, interpret):
   nc, c, h, dk = k.shape
   dv = do.shape[-1]
-  _, bv = bs.tiles(dk, dv)
-  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
-  v_blk = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  bv, full_k, v_blk = _value_tiled_specs(c, dk, dv, bs)
   kernel = functools.partial(_dv_kernel, chunk=c, dtype=k.dtype)
   return pl.pallas_call(
       kernel, grid=(nc, h, dv // bv),

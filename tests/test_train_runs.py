@@ -12,8 +12,6 @@ is shared by the tests, across xdist workers too (a file lock makes one worker r
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import math
 import os
@@ -29,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import pool
 from sse_jax import train
 from sse_jax.train import tensorboard
 from sse_jax.train.__main__ import load_config
@@ -55,16 +54,6 @@ def shared_root(tmp_path_factory) -> pathlib.Path:
   """A directory shared by all xdist workers of this session."""
   base = tmp_path_factory.getbasetemp()
   return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-@contextlib.contextmanager
-def file_lock(path: pathlib.Path):
-  with open(path, "w") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +105,7 @@ def ref(tmp_path_factory, env) -> pathlib.Path:
   """The REF run's workdir (run once per session)."""
   root = shared_root(tmp_path_factory)
   workdir = root / "ref"
-  with file_lock(root / "ref.lock"):
+  with pool.exclusive(root / "ref.lock"):
     if not (workdir / "summary.json").exists():
       shutil.rmtree(workdir, ignore_errors=True)
       run(ref_config(), workdir, env)
@@ -467,7 +456,7 @@ def hlo(tmp_path_factory, env):
   """All-gathers of the SSE train step compiled for data=8 (8 CPU devices)."""
   root = shared_root(tmp_path_factory)
   result = root / "hlo.json"
-  with file_lock(root / "hlo.lock"):
+  with pool.exclusive(root / "hlo.lock"):
     if not result.exists():
       (root / "hlo_ref.json").write_text(ref_config().to_json())
       out = subprocess.run([sys.executable, "-c", HLO, str(root / "hlo_ref.json"), str(T)],
