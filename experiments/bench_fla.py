@@ -21,6 +21,15 @@ import argparse
 import json
 import pathlib
 import statistics
+import sys
+import time
+
+_T0 = time.perf_counter()
+
+
+def _progress(msg):
+  """Timestamped progress on stderr: fla's first calls compile and autotune for minutes."""
+  print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def main():
@@ -34,9 +43,12 @@ def main():
   parser.add_argument("--reps", type=int, default=20)
   args = parser.parse_args()
 
+  _progress("importing torch")
   import torch  # pylint: disable=g-import-not-at-top
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
+  _progress(f"importing fla (torch {torch.__version__})")
   from fla.ops.gla import chunk_gla  # pylint: disable=g-import-not-at-top
+  _progress("fla imported")
 
   dev = "cuda"
   h, d, top_k = args.heads, args.dim, args.top_k
@@ -95,6 +107,8 @@ def main():
     return out[None].bfloat16()
 
   def time_fb(fn, x, n):
+    _progress(f"{fn.__name__} L={x['q'].shape[1]} N={n}: first calls (compile, autotune)")
+
     def run():
       for name in ("q", "k", "v", "g", "w", "q0", "k0"):
         x[name].grad = None
@@ -114,12 +128,16 @@ def main():
     return statistics.median(times)
 
   rows = []
+
+  def save():  # after every row: a run stopped by a time limit keeps what it measured
+    pathlib.Path(args.out).write_text(json.dumps(dict(rows=rows), indent=1))
   for length in (int(v) for v in args.lengths.split(",")):
     x = inputs(length, 4)
     ms = time_fb(dense, x, 4)
     rows.append(dict(source="fla (torch)", op="gla", impl="chunk_gla", length=length,
                      n=None, fwd_bwd_ms=ms))
     print(f"fla chunk_gla L={length} fwd+bwd {ms:.3f} ms", flush=True)
+    save()
     for n in (int(v) for v in args.partitions.split(",")):
       x = inputs(length, n)
       for name, fn in (("mask", mask), ("varlen", varlen)):
@@ -127,7 +145,7 @@ def main():
         rows.append(dict(source="fla (torch)", op="sse", impl=f"fla_{name}",
                          length=length, n=n, fwd_bwd_ms=ms))
         print(f"fla sse {name} L={length} N={n} fwd+bwd {ms:.3f} ms", flush=True)
-  pathlib.Path(args.out).write_text(json.dumps(dict(rows=rows), indent=1))
+        save()
 
 
 if __name__ == "__main__":

@@ -19,18 +19,20 @@ feature (scores) or one key / query row (gradients) at a time, masked to s <= t
 before the exponential.
 
 Kernels (grid; what each program does):
-  _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
-                                   backward pass.
+  _scores_kernel  (NC, H, C/L)    row block i of the intra-chunk matrix A [C, C] (fp32),
+                                   kept for the backward pass.
   _local_kernel   (NC, H, nK, nV) each chunk's own contribution to the state after it,
                                    (k e^{Gamma - b})^T v -- or, backward, to the
                                    gradient of the state before it, (q e^b)^T do.
-  _sweep_kernel   (Z, H, nK, nV)  walk a segment's chunks (backward: in reverse) with
+  _sweep_kernel   (Z, H, nK', nV') walk a segment's chunks (backward: in reverse) with
                                    S = diag(e^Gamma) S + local: the state entering each
                                    chunk and the final state (backward: dH' of every
                                    chunk and dh0). Only the multiply-add is sequential.
   _output_kernel  (NC, H, nV)     o = (q e^b) H + A v, for one chunk.
   _dv_kernel      (NC, H, nV)     dv = A^T do + (k e^{Gamma - b}) dH'.
-  _dqkb_kernel    (NC, H, nK)     dq, dk and db (gradient w.r.t. the cumulative gates).
+  _dqk_kernel     (NC, H, nK, C/L) dq, dk and db (gradient w.r.t. the cumulative gates)
+                                   of sub-block i, from dA = tril(do v^T) (one batched
+                                   XLA matmul) and the chunk's states.
 The gates enter as b = cumsum(g) computed outside the custom_vjp, so XLA's transpose
 of the cumsum turns db into dg (dg_u = sum_{t >= u} db_t).
 
@@ -41,6 +43,8 @@ Gradient bookkeeping (per chunk; dq, dk are w.r.t. the scaled q and k):
   dk_s = e^{Gamma - b_s} (v_s dH'^T) + sum_{t >= s} dA_ts q_t e^{b_t - b_s}
   db_t = q_t dq_t - k_t dk_t + [t = C-1] dGamma,
   dGamma = e^{Gamma} sum_v (H dH') + sum_s k_s (v_s dH'^T) e^{Gamma - b_s}
+The forward keeps the chunk states H for the backward (BlockSizes.recompute_states
+trades that memory for one more sweep).
 """
 
 from __future__ import annotations
@@ -63,22 +67,30 @@ _VALID_D = (16, 32, 64, 128, 256)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes; frozen (hashable) so it can be a static argument.
+  """Tile sizes and launch parameters; frozen (hashable) so it can be a static argument.
 
   chunk: C, tokens per chunk. block_k / block_v: columns of Dk / Dv per program in the
-  state kernels (and of Dk in the dq/dk kernel, of Dv in the output / dv kernels).
+  chunk-parallel kernels (Dk in the dq/dk kernel, Dv in the output / dv kernels, both
+  in the local-state kernel). sweep_k / sweep_v: the state tile each program of the
+  sequential sweep walks: smaller tiles, more programs in flight on the one part
+  of the op whose depth grows with L. recompute_states: recompute the chunk states in
+  the backward pass instead of keeping them ([NC, H, Dk, Dv] fp32, the largest
+  residual) -- less memory, one more sweep.
   """
 
   chunk: int = 64
   block_k: int = 64
   block_v: int = 64
+  sweep_k: int = 32
+  sweep_v: int = 32
   num_warps: int = 4
   num_stages: int = 2
+  recompute_states: bool = False
 
   def __post_init__(self):
     if self.chunk not in (16, 32, 64, 128):
       raise ValueError(f"chunk={self.chunk} must be one of 16, 32, 64, 128")
-    for name in ("block_k", "block_v"):
+    for name in ("block_k", "block_v", "sweep_k", "sweep_v"):
       value = getattr(self, name)
       if value not in _VALID_D:
         raise ValueError(f"{name}={value} must be one of {_VALID_D}")
@@ -88,10 +100,15 @@ class BlockSizes:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
   def tiles(self, dk: int, dv: int) -> tuple[int, int]:
+    """(block_k, block_v) clipped to the head dims, which are checked here."""
     for name, d in (("Dk", dk), ("Dv", dv)):
       if d not in _VALID_D:
         raise ValueError(f"{name}={d}: the Pallas kernels support head dims {_VALID_D}")
     return min(self.block_k, dk), min(self.block_v, dv)
+
+  def sweep_tiles(self, dk: int, dv: int) -> tuple[int, int]:
+    self.tiles(dk, dv)
+    return min(self.sweep_k, dk), min(self.sweep_v, dv)
 
 
 # ----------------------------------------------------------------------------------
@@ -135,34 +152,41 @@ def _masked_exp(x, mask):
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype):
-  """a_ref [C, C] (fp32): A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0.
+  """a_ref [L, C] (fp32): rows of query sub-block i of A, i = program_id(2).
 
-  q, k, b: [C, Dk] of one (chunk, head). Computed once per chunk and reused by the
-  output kernel (A v) and the dv kernel (A^T do).
+  A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk] of one
+  (chunk, head). Computed once per chunk and reused by the output kernel (A v) and the
+  dv kernel (A^T do). One program per sub-block keeps each program's dependent chain
+  short (at most three small dots and L diagonal steps).
   """
-  ns = chunk // SUB
-  dk = q_ref.shape[-1]
-  causal = _iota(0) >= _iota(1)
-  for i in range(ns):
-    rows = pl.ds(i * SUB, SUB)
-    qi, bi = _rows(q_ref, i), _rows(b_ref, i)
-    anchor = _row(b_ref, i * SUB)
-    q_t = qi * jnp.exp(bi - anchor)
-    for j in range(i):
-      k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
-      a_ref[rows, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
+  i = pl.program_id(2)
+  r0 = i * SUB
+  cols, row = _iota(1), _iota(0, 1)
+  qi, bi = _rows(q_ref, i), _rows(b_ref, i)
+  anchor = _row(b_ref, r0)
+  q_t = qi * jnp.exp(bi - anchor)
 
-    # Diagonal block: a rank-1 update per feature d, exponent masked to s <= t, so no
-    # cross-lane reduction over Dk and no exponent above 0.
-    def diag(d, a, i=i):
-      col = lambda ref: ref[pl.ds(i * SUB, SUB), pl.ds(d, 1)].astype(jnp.float32)
-      bd = col(b_ref)                                                       # [L, 1]
-      return a + col(q_ref) * col(k_ref).T * _masked_exp(bd - bd.T, causal)
+  def off_diagonal(j, carry):
+    k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
+    a_ref[:, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
+    return carry
 
-    a_ref[rows, pl.ds(i * SUB, SUB)] = lax.fori_loop(
-        0, dk, diag, jnp.zeros((SUB, SUB), jnp.float32))
-    for j in range(i + 1, ns):
-      a_ref[rows, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+  def upper(j, carry):
+    a_ref[:, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+    return carry
+
+  lax.fori_loop(0, i, off_diagonal, 0)
+  lax.fori_loop(i + 1, chunk // SUB, upper, 0)
+
+  # Diagonal block, one key row s at a time: column s of the block is
+  # sum_d q_td k_sd e^{b_td - b_sd} over t >= s, an elementwise [L, Dk] product with
+  # the exponent masked to t >= s before `exp` (so never above 0), reduced over Dk.
+  def diag(s, a):
+    ks, bs = _row(k_ref, r0 + s), _row(b_ref, r0 + s)                   # [1, Dk]
+    col = jnp.sum(qi * ks * _masked_exp(bi - bs, row >= s), axis=1, keepdims=True)
+    return a + jnp.where(cols == s, col, 0.0)
+
+  a_ref[:, pl.ds(r0, SUB)] = lax.fori_loop(0, SUB, diag, jnp.zeros((SUB, SUB), jnp.float32))
 
 
 # ----------------------------------------------------------------------------------
@@ -229,69 +253,64 @@ def _dv_kernel(valid_ref, k_ref, b_ref, a_ref, do_ref, dh_ref, dv_ref, *, chunk,
   dv_ref[...] = jnp.where(valid, acc, 0.0).astype(dv_ref.dtype)
 
 
-def _dqkb_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
-                 dq_ref, dk_ref, db_ref, *, chunk, dtype):
-  """dq, dk, db [C, BK] for one (chunk, head, Dk block).
+def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
+                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype):
+  """Sub-block i = program_id(3) of one (chunk, head, Dk block).
 
-  q, k, b: [C, BK]; v, do: [C, Dv]; h (entering the chunk), dh (after it): [BK, Dv].
+  Outputs dq, dk and db [L, BK] (db without its dGamma term) and this sub-block's share
+  of dGamma [1, BK] (summed over sub-blocks and added to the last row of db outside).
+  q, k, b: [C, BK]; v, do: [L, Dv] (rows of i); h (entering the chunk), dh (after it):
+  [BK, Dv]; da: [C, C] = tril(do v^T) of the chunk (fp32).
   """
   valid = valid_ref[pl.program_id(0)] > 0
-  ns = chunk // SUB
+  i = pl.program_id(3)
+  r0, ns = i * SUB, chunk // SUB
   h, dh = h_ref[...], dh_ref[...]
+  qi, ki, bi = _rows(q_ref, i), _rows(k_ref, i), _rows(b_ref, i)
   last = _row(b_ref, chunk - 1)                                          # [1, BK]
+
+  # Inter-chunk parts, and this sub-block's share of dGamma.
+  dq = jnp.exp(bi) * _dot(do_ref[...], h, _NT, dtype)
+  dk = jnp.exp(last - bi) * _dot(v_ref[...], dh, _NT, dtype)
+  h_dh = jnp.exp(last) * jnp.sum(h * dh, axis=1).reshape(1, -1)
+  d_gamma = (jnp.sum(ki * dk, axis=0, keepdims=True)
+             + jnp.where(i == ns - 1, h_dh, 0.0))
+
+  # Off-diagonal sub-blocks, anchored at the first row of i (dq: key blocks j < i) and
+  # at the last row of i (dk: query blocks j > i); every exponent is <= 0.
+  first, end = _row(b_ref, r0), _row(b_ref, r0 + SUB - 1)
+
+  def dq_block(j, acc):
+    k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
+    return acc + _dot(da_ref[pl.ds(r0, SUB), pl.ds(j * SUB, SUB)], k_t, _NN, dtype)
+
+  def dk_block(j, acc):
+    q_t = _rows(q_ref, j) * jnp.exp(_rows(b_ref, j) - end)
+    return acc + _dot(da_ref[pl.ds(j * SUB, SUB), pl.ds(r0, SUB)], q_t, _TN, dtype)
+
+  zeros = jnp.zeros_like(qi)
+  dq = dq + jnp.exp(bi - first) * lax.fori_loop(0, i, dq_block, zeros)
+  dk = dk + jnp.exp(end - bi) * lax.fori_loop(i + 1, ns, dk_block, zeros)
+
+  # Diagonal block, one row s at a time: elementwise [L, BK] updates, the only
+  # reductions are over the [L, L] tile of dA.
+  d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
   rows, cols, row = _iota(0), _iota(1), _iota(0, 1)
 
-  # dA_ij = do_i v_j^T for j <= i (diagonal blocks masked to s <= t).
-  d_a = {}
-  for i in range(ns):
-    doi = do_ref[pl.ds(i * SUB, SUB), :]
-    for j in range(i + 1):
-      blk = _dot(doi, v_ref[pl.ds(j * SUB, SUB), :], _NT, dtype)
-      d_a[i, j] = jnp.where(rows >= cols, blk, 0.0) if i == j else blk
+  def diag(s, carry):
+    dq_i, dk_i = carry
+    ks, bs, qs = _row(k_ref, r0 + s), _row(b_ref, r0 + s), _row(q_ref, r0 + s)
+    col = jnp.sum(jnp.where(cols == s, d_a, 0.0), axis=1, keepdims=True)    # dA[:, s]
+    d_row = jnp.sum(jnp.where(rows == s, d_a, 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
+    dq_i = dq_i + col * ks * _masked_exp(bi - bs, row >= s)
+    dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
+    return dq_i, dk_i
 
-  # Inter-chunk parts and dGamma.
-  dq, dk = [], []
-  d_gamma = jnp.exp(last) * jnp.sum(h * dh, axis=1).reshape(1, -1)
-  for i in range(ns):
-    bi = _rows(b_ref, i)
-    dq.append(jnp.exp(bi) * _dot(do_ref[pl.ds(i * SUB, SUB), :], h, _NT, dtype))
-    dk_inter = jnp.exp(last - bi) * _dot(v_ref[pl.ds(i * SUB, SUB), :], dh, _NT, dtype)
-    d_gamma = d_gamma + jnp.sum(_rows(k_ref, i) * dk_inter, axis=0, keepdims=True)
-    dk.append(dk_inter)
-
-  for i in range(ns):
-    qi, ki, bi = _rows(q_ref, i), _rows(k_ref, i), _rows(b_ref, i)
-    # Off-diagonal, anchored at the first row of i (dq) / last row of j (dk).
-    first = _row(b_ref, i * SUB)
-    for j in range(i):
-      k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
-      dq[i] = dq[i] + jnp.exp(bi - first) * _dot(d_a[i, j], k_t, _NN, dtype)
-      end_j = _row(b_ref, j * SUB + SUB - 1)
-      q_t = qi * jnp.exp(bi - end_j)
-      dk[j] = dk[j] + jnp.exp(end_j - _rows(b_ref, j)) * _dot(d_a[i, j], q_t, _TN, dtype)
-    # Diagonal block, one row s at a time: elementwise [L, BK] updates, the only
-    # reductions are over [L, L] tiles of dA.
-    def diag(s, carry, i=i, bi=bi):
-      dq_i, dk_i = carry
-      ks, bs = _row(k_ref, i * SUB + s), _row(b_ref, i * SUB + s)
-      qs = _row(q_ref, i * SUB + s)
-      col = jnp.sum(jnp.where(cols == s, d_a[i, i], 0.0), axis=1, keepdims=True)  # dA[:, s]
-      d_row = jnp.sum(jnp.where(rows == s, d_a[i, i], 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
-      dq_i = dq_i + col * ks * _masked_exp(bi - bs, row >= s)
-      dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
-      return dq_i, dk_i
-
-    dq[i], dk[i] = lax.fori_loop(0, SUB, diag, (dq[i], dk[i]))
-
-  for i in range(ns):
-    qi, ki = _rows(q_ref, i), _rows(k_ref, i)
-    db = qi * dq[i] - ki * dk[i]
-    if i == ns - 1:
-      db = db + jnp.where(row == SUB - 1, d_gamma, 0.0)
-    sl = pl.ds(i * SUB, SUB)
-    dq_ref[sl, :] = jnp.where(valid, dq[i], 0.0).astype(dq_ref.dtype)
-    dk_ref[sl, :] = jnp.where(valid, dk[i], 0.0).astype(dk_ref.dtype)
-    db_ref[sl, :] = jnp.where(valid, db, 0.0).astype(db_ref.dtype)
+  dq, dk = lax.fori_loop(0, SUB, diag, (dq, dk))
+  dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
+  dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
+  db_ref[...] = jnp.where(valid, qi * dq - ki * dk, 0.0).astype(db_ref.dtype)
+  dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
 
 
 # ----------------------------------------------------------------------------------
@@ -327,7 +346,7 @@ def _sweep(decay, local, init, start, count, bs, interpret, reverse):
   """Segment-wise recurrence over chunks (see _sweep_kernel)."""
   nc, h, dk, dv = local.shape
   z = init.shape[0]
-  bk, bv = bs.tiles(dk, dv)
+  bk, bv = bs.sweep_tiles(dk, dv)
   state = pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))
   per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j))
   kernel = functools.partial(_sweep_kernel, reverse=reverse)
@@ -359,12 +378,13 @@ def _dstates(q, do, b, dfinal, start, count, bs, interpret):
 
 
 def _scores(q, k, b, bs, interpret):
+  """A [NC, H, C, C] fp32 (see _scores_kernel)."""
   nc, c, h, dk = q.shape
-  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh: (n, 0, hh, 0))
+  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, i: (n, 0, hh, 0))
   kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype)
   return pl.pallas_call(
-      kernel, grid=(nc, h), in_specs=[full_k, full_k, full_k],
-      out_specs=pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
+      kernel, grid=(nc, h, c // SUB), in_specs=[full_k, full_k, full_k],
+      out_specs=pl.BlockSpec((None, None, SUB, c), lambda n, hh, i: (n, hh, i, 0)),
       out_shape=jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
       compiler_params=_params(bs), interpret=interpret, name="gla_scores",
   )(q, k, b)
@@ -412,23 +432,37 @@ def _dv(k, b, a, do, dh, valid, bs, interpret):
   )(valid, k, b, a, do, dh)
 
 
+def _output_scores(do, v):
+  """dA [NC, H, C, C] fp32 = tril(do v^T) per (chunk, head): one batched matmul (XLA)."""
+  c = do.shape[1]
+  d_a = jnp.einsum("nthv,nshv->nhts", do, v, preferred_element_type=jnp.float32)
+  return jnp.where(jnp.tril(jnp.ones((c, c), bool)), d_a, 0.0)
+
+
 def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
+  """dq, dk, db [NC, C, H, Dk] fp32 (see _dqk_kernel), dGamma included in db."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   bk, _ = bs.tiles(dk, dv)
-  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, i: (n, 0, hh, i))
-  full_v = pl.BlockSpec((None, c, None, dv), lambda n, hh, i: (n, 0, hh, 0))
-  state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, i: (n, hh, i, 0))
-  kernel = functools.partial(_dqkb_kernel, chunk=c, dtype=q.dtype)
-  return pl.pallas_call(
-      kernel, grid=(nc, h, dk // bk),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk, full_v, full_v, state, state],
-      out_specs=[k_blk, k_blk, k_blk],
+  ns = c // SUB
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk, i: (n, 0, hh, kk))
+  sub_k = pl.BlockSpec((None, SUB, None, bk), lambda n, hh, kk, i: (n, i, hh, kk))
+  sub_v = pl.BlockSpec((None, SUB, None, dv), lambda n, hh, kk, i: (n, i, hh, 0))
+  state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk, i: (n, hh, kk, 0))
+  kernel = functools.partial(_dqk_kernel, chunk=c, dtype=q.dtype)
+  dq, dk_, db, d_gamma = pl.pallas_call(
+      kernel, grid=(nc, h, dk // bk, ns),
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, sub_v, sub_v, state, state,
+                pl.BlockSpec((None, None, c, c), lambda n, hh, kk, i: (n, hh, 0, 0))],
+      out_specs=[sub_k, sub_k, sub_k,
+                 pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk, i: (n, hh, i, kk))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(b.shape, jnp.float32)],
-      compiler_params=_params(bs), interpret=interpret, name="gla_dqkb",
-  )(valid, q, k, b, v, do, h_start, dh)
+                 jax.ShapeDtypeStruct(b.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((nc, h, ns, dk), jnp.float32)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_dqk",
+  )(valid, q, k, b, v, do, h_start, dh, _output_scores(do, v))
+  return dq, dk_, db.at[:, -1].add(jnp.sum(d_gamma, axis=2))
 
 
 # ----------------------------------------------------------------------------------
@@ -449,16 +483,18 @@ def _core_fwd(q, k, v, b, h0, start, count, bs, interpret):
   a = _scores(q, k, b, bs, interpret)
   h_start, final = _states(k, v, b, h0, start, count, bs, interpret)
   o = _outputs(q, v, b, a, h_start, valid, bs, interpret)
-  # The states are recomputed in the backward pass (one sequential sweep) rather
-  # than kept: [NC, H, Dk, Dv] fp32 is the largest tensor of the op.
-  return (o, final), (q, k, v, b, h0, start, count, a)
+  # Keeping the states saves a local-state pass and a sweep in the backward pass;
+  # [NC, H, Dk, Dv] fp32 is the largest residual, hence bs.recompute_states.
+  kept = None if bs.recompute_states else h_start
+  return (o, final), (q, k, v, b, h0, start, count, a, kept)
 
 
 def _core_bwd(bs, interpret, res, cot):
-  q, k, v, b, h0, start, count, a = res
+  q, k, v, b, h0, start, count, a, h_start = res
   do, dfinal = cot
   valid = _valid_chunks(start, count, q.shape[0])
-  h_start, _ = _states(k, v, b, h0, start, count, bs, interpret)
+  if h_start is None:
+    h_start, _ = _states(k, v, b, h0, start, count, bs, interpret)
   do = do.astype(v.dtype)
   dh, dh0 = _dstates(q, do, b, dfinal.astype(jnp.float32), start, count, bs, interpret)
   dv = _dv(k, b, a, do, dh, valid, bs, interpret)

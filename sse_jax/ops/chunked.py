@@ -135,4 +135,5 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks):
   o_inter = jnp.einsum("bnchk,bnhkv->bnchv", q * jnp.exp(gcum), h_start)
   scores = intra_chunk_scores(q, k, gcum)                                # [B, NC, H, C, C]
   o_intra = jnp.einsum("bnhts,bnshv->bnthv", scores, v)
-  return o_inter + o_intra, final
+  covered = covered_chunks(seg_start, seg_chunks, b * nc).reshape(b, nc, 1, 1, 1)
+  return jnp.where(covered, o_inter + o_intra, 0), final
