@@ -14,13 +14,13 @@ non-increasing), Gamma = b_{C-1} and H the state entering the chunk:
 
 Every exponent evaluated is <= 0: off-diagonal sub-chunk blocks (query block i, key
 block j < i, L = 16 rows each) factor e^{b_t - b_s} = e^{b_t - a_i} e^{a_i - b_s} with
-the anchor a_i = b at the first row of block i; diagonal blocks form e^{b_t - b_s} for all
-[L, L] pairs of a slice of features at once ([L, L, W] tiles), masked to s <= t before
-the exponential.
+the anchor a_i = b at the first row of block i; diagonal blocks form e^{b_t - b_s} one
+feature (scores) or one key / query row (gradients) at a time, masked to s <= t
+before the exponential.
 
 Kernels (grid; what each program does):
-  _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
-                                   backward pass.
+  _scores_kernel  (NC, H, C/L)    row block i of the intra-chunk matrix A [C, C] (fp32),
+                                   kept for the backward pass.
   _local_kernel   (NC, H, nK, nV) each chunk's own contribution to the state after it,
                                    (k e^{Gamma - b})^T v -- or, backward, to the
                                    gradient of the state before it, (q e^b)^T do.
@@ -30,8 +30,9 @@ Kernels (grid; what each program does):
                                    chunk and dh0). Only the multiply-add is sequential.
   _output_kernel  (NC, H, nV)     o = (q e^b) H + A v, for one chunk.
   _dv_kernel      (NC, H, nV)     dv = A^T do + (k e^{Gamma - b}) dH'.
-  _dqk_kernel     (NC, H, nK)     dq, dk and db (gradient w.r.t. the cumulative gates),
-                                   from dA = tril(do v^T) (one batched XLA matmul).
+  _dqk_kernel     (NC, H, nK, C/L) dq, dk and db (gradient w.r.t. the cumulative gates)
+                                   of sub-block i, from dA = tril(do v^T) (one batched
+                                   XLA matmul) and the chunk's states.
 The gates enter as b = cumsum(g) computed outside the custom_vjp, so XLA's transpose
 of the cumsum turns db into dg (dg_u = sum_{t >= u} db_t).
 
@@ -69,9 +70,8 @@ class BlockSizes:
   """Tile sizes and launch parameters; frozen (hashable) so it can be a static argument.
 
   chunk: C, tokens per chunk. block_k / block_v: columns of Dk / Dv per program in the
-  local-state kernel (and of Dv in the output / dv kernels). block_dqk: columns of Dk
-  per program of the dq/dk kernel, and feature slice of the scores kernel's diagonal
-  tiles: both form [L, L, block_dqk] tiles, so it bounds their registers. sweep_k / sweep_v: the state tile each program of the
+  chunk-parallel kernels (Dk in the dq/dk kernel, Dv in the output / dv kernels, both
+  in the local-state kernel). sweep_k / sweep_v: the state tile each program of the
   sequential sweep walks: smaller tiles, more programs in flight on the one part
   of the op whose depth grows with L. recompute_states: recompute the chunk states in
   the backward pass instead of keeping them ([NC, H, Dk, Dv] fp32, the largest
@@ -81,7 +81,6 @@ class BlockSizes:
   chunk: int = 64
   block_k: int = 64
   block_v: int = 64
-  block_dqk: int = 32
   sweep_k: int = 32
   sweep_v: int = 32
   num_warps: int = 4
@@ -91,7 +90,7 @@ class BlockSizes:
   def __post_init__(self):
     if self.chunk not in (16, 32, 64, 128):
       raise ValueError(f"chunk={self.chunk} must be one of 16, 32, 64, 128")
-    for name in ("block_k", "block_v", "block_dqk", "sweep_k", "sweep_v"):
+    for name in ("block_k", "block_v", "sweep_k", "sweep_v"):
       value = getattr(self, name)
       if value not in _VALID_D:
         raise ValueError(f"{name}={value} must be one of {_VALID_D}")
@@ -152,44 +151,42 @@ def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _pair_decay(bs_t, bs_s):
-  """E [L, L, W] = e^{b_td - b_sd} for s <= t, else 0, from b rows [L, W] of one block.
+def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype):
+  """a_ref [L, C] (fp32): rows of query sub-block i of A, i = program_id(2).
 
-  The exponent is masked before `exp`, so it is never above 0: the diagonal sub-blocks
-  need no anchor. All L x L pairs at once (rather than a loop over rows): no dependent
-  chain of small steps, only elementwise work and one short reduction.
+  A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk] of one
+  (chunk, head). Computed once per chunk and reused by the output kernel (A v) and the
+  dv kernel (A^T do). One program per sub-block keeps each program's dependent chain
+  short (at most three small dots and L diagonal steps).
   """
-  shape = bs_t.shape[:1] + bs_s.shape
-  causal = lax.broadcasted_iota(jnp.int32, shape, 0) >= lax.broadcasted_iota(jnp.int32, shape, 1)
-  return _masked_exp(bs_t[:, None, :] - bs_s[None, :, :], causal)
+  i = pl.program_id(2)
+  r0 = i * SUB
+  cols, row = _iota(1), _iota(0, 1)
+  qi, bi = _rows(q_ref, i), _rows(b_ref, i)
+  anchor = _row(b_ref, r0)
+  q_t = qi * jnp.exp(bi - anchor)
 
+  def off_diagonal(j, carry):
+    k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
+    a_ref[:, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
+    return carry
 
-def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, width):
-  """a_ref [C, C] (fp32): A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0.
+  def upper(j, carry):
+    a_ref[:, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+    return carry
 
-  q, k, b: [C, Dk] of one (chunk, head). Computed once per chunk and reused by the
-  output kernel (A v) and the dv kernel (A^T do). Diagonal sub-blocks are summed over
-  feature slices of `width` columns ([L, L, width] tiles).
-  """
-  ns = chunk // SUB
-  dk = q_ref.shape[-1]
-  for i in range(ns):
-    rows = pl.ds(i * SUB, SUB)
-    qi, bi = _rows(q_ref, i), _rows(b_ref, i)
-    anchor = _row(b_ref, i * SUB)
-    q_t = qi * jnp.exp(bi - anchor)
-    for j in range(i):
-      k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
-      a_ref[rows, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
-    diag = jnp.zeros((SUB, SUB), jnp.float32)
-    for d0 in range(0, dk, width):
-      cols = pl.ds(d0, width)
-      bd = _rows(b_ref, i, cols)
-      qk = _rows(q_ref, i, cols)[:, None, :] * _rows(k_ref, i, cols)[None, :, :]
-      diag = diag + jnp.sum(qk * _pair_decay(bd, bd), axis=2)
-    a_ref[rows, rows] = diag
-    for j in range(i + 1, ns):
-      a_ref[rows, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+  lax.fori_loop(0, i, off_diagonal, 0)
+  lax.fori_loop(i + 1, chunk // SUB, upper, 0)
+
+  # Diagonal block, one key row s at a time: column s of the block is
+  # sum_d q_td k_sd e^{b_td - b_sd} over t >= s, an elementwise [L, Dk] product with
+  # the exponent masked to t >= s before `exp` (so never above 0), reduced over Dk.
+  def diag(s, a):
+    ks, bs = _row(k_ref, r0 + s), _row(b_ref, r0 + s)                   # [1, Dk]
+    col = jnp.sum(qi * ks * _masked_exp(bi - bs, row >= s), axis=1, keepdims=True)
+    return a + jnp.where(cols == s, col, 0.0)
+
+  a_ref[:, pl.ds(r0, SUB)] = lax.fori_loop(0, SUB, diag, jnp.zeros((SUB, SUB), jnp.float32))
 
 
 # ----------------------------------------------------------------------------------
@@ -257,53 +254,63 @@ def _dv_kernel(valid_ref, k_ref, b_ref, a_ref, do_ref, dh_ref, dv_ref, *, chunk,
 
 
 def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
-                dq_ref, dk_ref, db_ref, *, chunk, dtype):
-  """dq, dk, db [C, BK] for one (chunk, head, Dk block of BK = block_dqk columns).
+                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype):
+  """Sub-block i = program_id(3) of one (chunk, head, Dk block).
 
-  q, k, b: [C, BK]; v, do: [C, Dv]; h (entering the chunk), dh (after it): [BK, Dv];
-  da: [C, C] = tril(do v^T) of the chunk (fp32, one batched matmul outside).
+  Outputs dq, dk and db [L, BK] (db without its dGamma term) and this sub-block's share
+  of dGamma [1, BK] (summed over sub-blocks and added to the last row of db outside).
+  q, k, b: [C, BK]; v, do: [L, Dv] (rows of i); h (entering the chunk), dh (after it):
+  [BK, Dv]; da: [C, C] = tril(do v^T) of the chunk (fp32).
   """
   valid = valid_ref[pl.program_id(0)] > 0
-  ns = chunk // SUB
+  i = pl.program_id(3)
+  r0, ns = i * SUB, chunk // SUB
   h, dh = h_ref[...], dh_ref[...]
+  qi, ki, bi = _rows(q_ref, i), _rows(k_ref, i), _rows(b_ref, i)
   last = _row(b_ref, chunk - 1)                                          # [1, BK]
-  row = _iota(0, 1)
-  d_a = lambda i, j: da_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)]
 
-  # Inter-chunk parts and dGamma.
-  dq, dk = [], []
-  d_gamma = jnp.exp(last) * jnp.sum(h * dh, axis=1).reshape(1, -1)
-  for i in range(ns):
-    bi = _rows(b_ref, i)
-    dq.append(jnp.exp(bi) * _dot(do_ref[pl.ds(i * SUB, SUB), :], h, _NT, dtype))
-    dk_inter = jnp.exp(last - bi) * _dot(v_ref[pl.ds(i * SUB, SUB), :], dh, _NT, dtype)
-    d_gamma = d_gamma + jnp.sum(_rows(k_ref, i) * dk_inter, axis=0, keepdims=True)
-    dk.append(dk_inter)
+  # Inter-chunk parts, and this sub-block's share of dGamma.
+  dq = jnp.exp(bi) * _dot(do_ref[...], h, _NT, dtype)
+  dk = jnp.exp(last - bi) * _dot(v_ref[...], dh, _NT, dtype)
+  h_dh = jnp.exp(last) * jnp.sum(h * dh, axis=1).reshape(1, -1)
+  d_gamma = (jnp.sum(ki * dk, axis=0, keepdims=True)
+             + jnp.where(i == ns - 1, h_dh, 0.0))
 
-  for i in range(ns):
-    qi, ki, bi = _rows(q_ref, i), _rows(k_ref, i), _rows(b_ref, i)
-    # Off-diagonal, anchored at the first row of i (dq) / last row of j (dk).
-    first = _row(b_ref, i * SUB)
-    for j in range(i):
-      k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
-      dq[i] = dq[i] + jnp.exp(bi - first) * _dot(d_a(i, j), k_t, _NN, dtype)
-      end_j = _row(b_ref, j * SUB + SUB - 1)
-      q_t = qi * jnp.exp(bi - end_j)
-      dk[j] = dk[j] + jnp.exp(end_j - _rows(b_ref, j)) * _dot(d_a(i, j), q_t, _TN, dtype)
-    # Diagonal block, all (t, s) pairs at once: w[t, s, d] = dA_ts e^{b_td - b_sd}.
-    w = d_a(i, i)[:, :, None] * _pair_decay(bi, bi)
-    dq[i] = dq[i] + jnp.sum(w * ki[None, :, :], axis=1)
-    dk[i] = dk[i] + jnp.sum(w * qi[:, None, :], axis=0)
+  # Off-diagonal sub-blocks, anchored at the first row of i (dq: key blocks j < i) and
+  # at the last row of i (dk: query blocks j > i); every exponent is <= 0.
+  first, end = _row(b_ref, r0), _row(b_ref, r0 + SUB - 1)
 
-  for i in range(ns):
-    qi, ki = _rows(q_ref, i), _rows(k_ref, i)
-    db = qi * dq[i] - ki * dk[i]
-    if i == ns - 1:
-      db = db + jnp.where(row == SUB - 1, d_gamma, 0.0)
-    sl = pl.ds(i * SUB, SUB)
-    dq_ref[sl, :] = jnp.where(valid, dq[i], 0.0).astype(dq_ref.dtype)
-    dk_ref[sl, :] = jnp.where(valid, dk[i], 0.0).astype(dk_ref.dtype)
-    db_ref[sl, :] = jnp.where(valid, db, 0.0).astype(db_ref.dtype)
+  def dq_block(j, acc):
+    k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
+    return acc + _dot(da_ref[pl.ds(r0, SUB), pl.ds(j * SUB, SUB)], k_t, _NN, dtype)
+
+  def dk_block(j, acc):
+    q_t = _rows(q_ref, j) * jnp.exp(_rows(b_ref, j) - end)
+    return acc + _dot(da_ref[pl.ds(j * SUB, SUB), pl.ds(r0, SUB)], q_t, _TN, dtype)
+
+  zeros = jnp.zeros_like(qi)
+  dq = dq + jnp.exp(bi - first) * lax.fori_loop(0, i, dq_block, zeros)
+  dk = dk + jnp.exp(end - bi) * lax.fori_loop(i + 1, ns, dk_block, zeros)
+
+  # Diagonal block, one row s at a time: elementwise [L, BK] updates, the only
+  # reductions are over the [L, L] tile of dA.
+  d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
+  rows, cols, row = _iota(0), _iota(1), _iota(0, 1)
+
+  def diag(s, carry):
+    dq_i, dk_i = carry
+    ks, bs, qs = _row(k_ref, r0 + s), _row(b_ref, r0 + s), _row(q_ref, r0 + s)
+    col = jnp.sum(jnp.where(cols == s, d_a, 0.0), axis=1, keepdims=True)    # dA[:, s]
+    d_row = jnp.sum(jnp.where(rows == s, d_a, 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
+    dq_i = dq_i + col * ks * _masked_exp(bi - bs, row >= s)
+    dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
+    return dq_i, dk_i
+
+  dq, dk = lax.fori_loop(0, SUB, diag, (dq, dk))
+  dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
+  dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
+  db_ref[...] = jnp.where(valid, qi * dq - ki * dk, 0.0).astype(db_ref.dtype)
+  dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
 
 
 # ----------------------------------------------------------------------------------
@@ -373,12 +380,11 @@ def _dstates(q, do, b, dfinal, start, count, bs, interpret):
 def _scores(q, k, b, bs, interpret):
   """A [NC, H, C, C] fp32 (see _scores_kernel)."""
   nc, c, h, dk = q.shape
-  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh: (n, 0, hh, 0))
-  kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype,
-                             width=min(bs.block_dqk, dk))
+  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, i: (n, 0, hh, 0))
+  kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype)
   return pl.pallas_call(
-      kernel, grid=(nc, h), in_specs=[full_k, full_k, full_k],
-      out_specs=pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
+      kernel, grid=(nc, h, c // SUB), in_specs=[full_k, full_k, full_k],
+      out_specs=pl.BlockSpec((None, None, SUB, c), lambda n, hh, i: (n, hh, i, 0)),
       out_shape=jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
       compiler_params=_params(bs), interpret=interpret, name="gla_scores",
   )(q, k, b)
@@ -437,24 +443,29 @@ def _output_scores(do, v):
 
 
 def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
-  """dq, dk, db [NC, C, H, Dk] fp32 (see _dqk_kernel)."""
+  """dq, dk, db [NC, C, H, Dk] fp32 (see _dqk_kernel), dGamma included in db."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
-  bk = min(bs.block_dqk, dk)
-  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, i: (n, 0, hh, i))
-  full_v = pl.BlockSpec((None, c, None, dv), lambda n, hh, i: (n, 0, hh, 0))
-  state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, i: (n, hh, i, 0))
+  bk, _ = bs.tiles(dk, dv)
+  ns = c // SUB
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk, i: (n, 0, hh, kk))
+  sub_k = pl.BlockSpec((None, SUB, None, bk), lambda n, hh, kk, i: (n, i, hh, kk))
+  sub_v = pl.BlockSpec((None, SUB, None, dv), lambda n, hh, kk, i: (n, i, hh, 0))
+  state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk, i: (n, hh, kk, 0))
   kernel = functools.partial(_dqk_kernel, chunk=c, dtype=q.dtype)
-  return pl.pallas_call(
-      kernel, grid=(nc, h, dk // bk),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk, full_v, full_v, state, state,
-                pl.BlockSpec((None, None, c, c), lambda n, hh, i: (n, hh, 0, 0))],
-      out_specs=[k_blk, k_blk, k_blk],
+  dq, dk_, db, d_gamma = pl.pallas_call(
+      kernel, grid=(nc, h, dk // bk, ns),
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, sub_v, sub_v, state, state,
+                pl.BlockSpec((None, None, c, c), lambda n, hh, kk, i: (n, hh, 0, 0))],
+      out_specs=[sub_k, sub_k, sub_k,
+                 pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk, i: (n, hh, i, kk))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(b.shape, jnp.float32)],
+                 jax.ShapeDtypeStruct(b.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((nc, h, ns, dk), jnp.float32)],
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk",
   )(valid, q, k, b, v, do, h_start, dh, _output_scores(do, v))
+  return dq, dk_, db.at[:, -1].add(jnp.sum(d_gamma, axis=2))
 
 
 # ----------------------------------------------------------------------------------
