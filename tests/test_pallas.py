@@ -226,3 +226,21 @@ def test_kernels_lower_for_cuda():
   # (state gradients), dv, dqk (the forward's states are kept).
   calls = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
   assert calls == 16, f"expected 16 Triton kernel calls, found {calls}"
+
+
+def test_profile_kernels_runs_every_kernel():
+  """`experiments.profile_kernels` reaches each kernel through the private wrappers it
+  times; in interpret mode, at a tiny size, its numbers are not timings, only a check
+  that the tool still matches the kernel file."""
+  from experiments import profile_kernels  # pylint: disable=g-import-not-at-top
+  x = profile_kernels.make_inputs(128, 1, 16, 32)
+  bs = pallas_chunk_gla.BlockSizes(chunk=32)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    times = profile_kernels.per_kernel(x, bs, True, reps=1)
+  assert set(times) == {"scores", "local", "sweep", "outputs", "dv", "dqk"}
+  assert all(t > 0 for t in times.values())
+  assert profile_kernels.parse_variant("num_warps=8, recompute_states=true") == dict(
+      num_warps=8, recompute_states=True)
+  with pytest.raises(ValueError, match="field=value"):
+    profile_kernels.parse_variant("num_warps")

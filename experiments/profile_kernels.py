@@ -1,0 +1,145 @@
+r"""Times each Pallas kernel of the chunked GLA on its own (dense, one segment pair).
+
+    python -m experiments.profile_kernels                     # L = 32K, default tiles
+    python -m experiments.profile_kernels --length=8192 --variants="num_warps=8" \
+        --variants="sweep_k=16,sweep_v=16"                    # whole core, other tiles
+
+Setting of the op benchmark (bf16, 8 heads, head dim 128, two sequences of L/2 packed
+as two segments of whole chunks). For the default `BlockSizes` it times every kernel
+separately under `jit` (scores, local, sweep, outputs, dv, dq/dk with its dA matmul),
+then the whole core (`pallas_kernels.chunk_gla.chunk_gla`, forward and forward +
+backward); each `--variants` entry (comma-separated BlockSizes fields) times the whole
+core only. Median of `--reps` runs after warm-up, each ended by `block_until_ready`.
+The core excludes what `sse_jax.ops.gla` does around it (segment packing, casts).
+
+`--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
+times mean nothing. Writes a JSON list of rows to `--out` when given.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import chunk_gla as kernels
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("length", 32768, "Tokens L (two segments of L/2).")
+flags.DEFINE_integer("heads", 8, "Heads H.")
+flags.DEFINE_integer("dim", 128, "Head dim Dk = Dv.")
+flags.DEFINE_integer("chunk", 64, "Chunk length C.")
+flags.DEFINE_integer("reps", 20, "Timed repetitions (median reported).")
+flags.DEFINE_multi_string("variants", [], "BlockSizes overrides, e.g. 'num_warps=8,sweep_k=16'.")
+flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke test).")
+flags.DEFINE_string("out", "", "Write the rows as JSON here.")
+
+
+def median_ms(fn, *args, reps):
+  jax.block_until_ready(fn(*args))  # compile
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def make_inputs(length, heads, dim, chunk):
+  """Chunked bf16 inputs [NC, C, H, D], b = cumsum(g), cotangent, two segments."""
+  if length % (2 * chunk):
+    raise ValueError(f"--length={length} must be a multiple of 2 * chunk = {2 * chunk}")
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  nc = length // chunk
+  shape = (nc, chunk, heads, dim)
+  x = dict(
+      q=jax.random.normal(keys[0], shape, jnp.bfloat16),
+      k=jax.nn.softmax(jax.random.normal(keys[1], shape), -1).astype(jnp.bfloat16),
+      v=jax.random.normal(keys[2], shape, jnp.bfloat16),
+      g=jax.nn.log_sigmoid(jax.random.normal(keys[3], shape)) / 16,
+      do=jax.random.normal(keys[4], shape, jnp.bfloat16),
+      h0=jnp.zeros((2, heads, dim, dim), jnp.float32),
+      start=jnp.asarray([0, nc // 2], jnp.int32),
+      count=jnp.asarray([nc // 2, nc // 2], jnp.int32))
+  x["b"] = jnp.cumsum(x["g"], axis=1)
+  return x
+
+
+def per_kernel(x, bs, interpret, reps):
+  """ms of each kernel alone; arrays go in as arguments (not as baked-in constants)."""
+  k_ = kernels
+  start, count = x["start"], x["count"]
+  valid = k_._valid_chunks(start, count, x["q"].shape[0])  # pylint: disable=protected-access
+  jit = jax.jit
+  # Inputs of the later kernels, from the earlier ones.
+  a = jit(lambda q, k, b: k_._scores(q, k, b, bs, interpret))(x["q"], x["k"], x["b"])  # pylint: disable=protected-access
+  states = jit(lambda k, v, b, h0, s, c: k_._states(k, v, b, h0, s, c, bs, interpret))  # pylint: disable=protected-access
+  h_start, _ = states(x["k"], x["v"], x["b"], x["h0"], start, count)
+  dstates = jit(lambda q, do, b, h0, s, c: k_._dstates(q, do, b, h0, s, c, bs, interpret))  # pylint: disable=protected-access
+  dh, _ = dstates(x["q"], x["do"], x["b"], x["h0"], start, count)
+  decay = jnp.exp(x["b"][:, -1])
+  local = jit(lambda k, b, v: k_._local(k, b, v, bs, interpret, True))  # pylint: disable=protected-access
+  fns = {  # pylint: disable=protected-access
+      "scores": (jit(lambda q, k, b: k_._scores(q, k, b, bs, interpret)), (x["q"], x["k"], x["b"])),
+      "local": (local, (x["k"], x["b"], x["v"])),
+      "sweep": (jit(lambda d, l, h0, s, c: k_._sweep(d, l, h0, s, c, bs, interpret, False)),
+                (decay, local(x["k"], x["b"], x["v"]), x["h0"], start, count)),
+      "outputs": (jit(lambda q, v, b, a, h, ok: k_._outputs(q, v, b, a, h, ok, bs, interpret)),
+                  (x["q"], x["v"], x["b"], a, h_start, valid)),
+      "dv": (jit(lambda k, b, a, do, dh, ok: k_._dv(k, b, a, do, dh, ok, bs, interpret)),
+             (x["k"], x["b"], a, x["do"], dh, valid)),
+      "dqk": (jit(lambda q, k, b, v, do, h, dh, ok: k_._dqkb(q, k, b, v, do, h, dh, ok, bs, interpret)),
+              (x["q"], x["k"], x["b"], x["v"], x["do"], h_start, dh, valid)),
+  }
+  return {name: median_ms(fn, *args, reps=reps) for name, (fn, args) in fns.items()}
+
+
+def whole_core(x, bs, interpret, reps):
+  """ms of the core forward and forward + backward (gradients w.r.t. q, k, v, g)."""
+  def loss(q, k, v, g, h0, start, count, do):
+    o, _ = kernels.chunk_gla(q[None], k[None], v[None], g[None], h0, start, count,
+                             block_sizes=bs, interpret=interpret)
+    return jnp.sum(o.astype(jnp.float32) * do[None].astype(jnp.float32))
+  args = tuple(x[n] for n in ("q", "k", "v", "g", "h0", "start", "count", "do"))
+  return dict(fwd=median_ms(jax.jit(loss), *args, reps=reps),
+              fwd_bwd=median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), *args,
+                                reps=reps))
+
+
+def parse_variant(text: str) -> dict[str, int | bool]:
+  fields = {}
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    name, _, value = item.partition("=")
+    if not value:
+      raise ValueError(f"--variants entry {item!r}: expected field=value")
+    fields[name] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+  return fields
+
+
+def main(argv):
+  del argv
+  x = make_inputs(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk)
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, L={FLAGS.length}, "
+        f"H={FLAGS.heads}, D={FLAGS.dim}, C={FLAGS.chunk}", flush=True)
+  rows = []
+  configs = [{}] + [parse_variant(v) for v in FLAGS.variants]
+  for i, fields in enumerate(configs):
+    bs = kernels.BlockSizes(chunk=FLAGS.chunk, **fields)
+    times = per_kernel(x, bs, FLAGS.interpret, FLAGS.reps) if i == 0 else {}
+    times.update(whole_core(x, bs, FLAGS.interpret, FLAGS.reps))
+    rows.append(dict(length=FLAGS.length, block_sizes=fields, ms=times))
+    print(f"{fields or 'defaults'}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()),
+          flush=True)
+  if FLAGS.out:
+    pathlib.Path(FLAGS.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
