@@ -81,7 +81,7 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
 
   o, final = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
                   layout.seg_start, layout.seg_chunks)
-  return o.reshape((nc * chunk_size,) + o.shape[3:])[layout.rows], final
+  return packing.gather_rows(o.reshape((nc * chunk_size,) + o.shape[3:]), layout.rows), final
 
 
 def chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size: int,

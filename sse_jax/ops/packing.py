@@ -55,13 +55,39 @@ def chunk_layout(slot_segment: jax.Array, num_segments: int,
 
 
 def scatter_rows(x: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
-  """Places slot values x [P, ...] at buffer rows; other rows are zero.
+  """Places slot values x [P, ...] at buffer rows [P] (distinct); other rows are zero."""
+  return _move_rows(x, _slot_of_row(rows, num_rows), rows)
 
-  Implemented as a gather (buffer row -> slot, or a zero row) because the rows are
-  distinct; its transpose is then a cheap gather-add on the way back.
+
+def gather_rows(buffer: jax.Array, rows: jax.Array) -> jax.Array:
+  """buffer[rows] [P, ...] for distinct rows: the inverse of `scatter_rows`."""
+  return _move_rows(buffer, rows, _slot_of_row(rows, buffer.shape[0]))
+
+
+def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
+  """int32 [num_rows]: the slot placed at each buffer row, or P for a padding row."""
+  p = rows.shape[0]
+  return jnp.full((num_rows,), p, jnp.int32).at[rows].set(jnp.arange(p, dtype=jnp.int32))
+
+
+@jax.custom_vjp
+def _move_rows(x, take, inverse):
+  """y[i] = x[take[i]], zero where take[i] is out of range (a padding row).
+
+  `take` hits each row of x at most once and inverse[j] is the i with take[i] == j (out
+  of range if none), so the transpose is again a gather, dx = dy[inverse], instead of
+  XLA's transpose of a gather, a scatter-add (atomics on GPU, bf16 ones emulated).
   """
-  p = x.shape[0]
-  slot_of_row = jnp.full((num_rows,), p, jnp.int32).at[rows].set(
-      jnp.arange(p, dtype=jnp.int32))
-  padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
-  return padded[slot_of_row]
+  return jnp.take(x, take, axis=0, mode="fill", fill_value=0)
+
+
+def _move_rows_fwd(x, take, inverse):
+  return _move_rows(x, take, inverse), (take, inverse)
+
+
+def _move_rows_bwd(res, dy):
+  take, inverse = res
+  return _move_rows(dy, inverse, take), None, None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
