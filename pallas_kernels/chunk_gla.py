@@ -75,7 +75,9 @@ class BlockSizes:
   sequential sweep walks: smaller tiles, more programs in flight on the one part
   of the op whose depth grows with L. recompute_states: recompute the chunk states in
   the backward pass instead of keeping them ([NC, H, Dk, Dv] fp32, the largest
-  residual) -- less memory, one more sweep.
+  residual) -- less memory, one more sweep. diag_unroll: rows of a diagonal sub-block
+  handled per loop iteration in the scores and dq/dk kernels (the loop is a chain of
+  small dependent steps; unrolling gives the scheduler independent work).
   """
 
   chunk: int = 64
@@ -86,6 +88,7 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 2
   recompute_states: bool = False
+  diag_unroll: int = 1
 
   def __post_init__(self):
     if self.chunk not in (16, 32, 64, 128):
@@ -96,6 +99,8 @@ class BlockSizes:
         raise ValueError(f"{name}={value} must be one of {_VALID_D}")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be a power of 2 <= 16")
+    if self.diag_unroll not in (1, 2, 4, 8, 16):
+      raise ValueError(f"diag_unroll={self.diag_unroll} must divide {SUB}: 1, 2, 4, 8 or 16")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -147,11 +152,21 @@ def _iota(axis, cols=SUB):
   return lax.broadcasted_iota(jnp.int32, (SUB, cols), axis)
 
 
+def _row_loop(body, carry, unroll):
+  """carry = body(s, carry) for the SUB rows s of a sub-block, `unroll` per iteration
+  (written out by hand: the Triton lowering has no fori_loop unroll)."""
+  def step(it, carry):
+    for r in range(unroll):
+      carry = body(it * unroll + r, carry)
+    return carry
+  return lax.fori_loop(0, SUB // unroll, step, carry)
+
+
 def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype):
+def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll):
   """a_ref [L, C] (fp32): rows of query sub-block i of A, i = program_id(2).
 
   A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk] of one
@@ -186,7 +201,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype):
     col = jnp.sum(qi * ks * _masked_exp(bi - bs, row >= s), axis=1, keepdims=True)
     return a + jnp.where(cols == s, col, 0.0)
 
-  a_ref[:, pl.ds(r0, SUB)] = lax.fori_loop(0, SUB, diag, jnp.zeros((SUB, SUB), jnp.float32))
+  a_ref[:, pl.ds(r0, SUB)] = _row_loop(diag, jnp.zeros((SUB, SUB), jnp.float32), unroll)
 
 
 # ----------------------------------------------------------------------------------
@@ -254,7 +269,7 @@ def _dv_kernel(valid_ref, k_ref, b_ref, a_ref, do_ref, dh_ref, dv_ref, *, chunk,
 
 
 def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
-                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype):
+                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype, unroll):
   """Sub-block i = program_id(3) of one (chunk, head, Dk block).
 
   Outputs dq, dk and db [L, BK] (db without its dGamma term) and this sub-block's share
@@ -306,7 +321,7 @@ def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da
     dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
     return dq_i, dk_i
 
-  dq, dk = lax.fori_loop(0, SUB, diag, (dq, dk))
+  dq, dk = _row_loop(diag, (dq, dk), unroll)
   dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
   dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
   db_ref[...] = jnp.where(valid, qi * dq - ki * dk, 0.0).astype(db_ref.dtype)
@@ -381,7 +396,7 @@ def _scores(q, k, b, bs, interpret):
   """A [NC, H, C, C] fp32 (see _scores_kernel)."""
   nc, c, h, dk = q.shape
   full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, i: (n, 0, hh, 0))
-  kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype)
+  kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll)
   return pl.pallas_call(
       kernel, grid=(nc, h, c // SUB), in_specs=[full_k, full_k, full_k],
       out_specs=pl.BlockSpec((None, None, SUB, c), lambda n, hh, i: (n, hh, i, 0)),
@@ -452,7 +467,7 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
   sub_k = pl.BlockSpec((None, SUB, None, bk), lambda n, hh, kk, i: (n, i, hh, kk))
   sub_v = pl.BlockSpec((None, SUB, None, dv), lambda n, hh, kk, i: (n, i, hh, 0))
   state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk, i: (n, hh, kk, 0))
-  kernel = functools.partial(_dqk_kernel, chunk=c, dtype=q.dtype)
+  kernel = functools.partial(_dqk_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll)
   dq, dk_, db, d_gamma = pl.pallas_call(
       kernel, grid=(nc, h, dk // bk, ns),
       in_specs=[_whole(nc), k_blk, k_blk, k_blk, sub_v, sub_v, state, state,

@@ -156,7 +156,7 @@ class TestPallasGPU:
 
   @pytest.mark.parametrize("bs", [
       dict(recompute_states=True, sweep_k=16, sweep_v=64),
-      dict(block_k=32, block_v=16, sweep_k=64, sweep_v=16, num_warps=2),
+      dict(block_k=32, block_v=16, sweep_k=64, sweep_v=16, num_warps=2, diag_unroll=4),
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
