@@ -76,7 +76,9 @@ def _move_rows(x, take, inverse):
 
   `take` hits each row of x at most once and inverse[j] is the i with take[i] == j (out
   of range if none), so the transpose is again a gather, dx = dy[inverse], instead of
-  XLA's transpose of a gather, a scatter-add (atomics on GPU, bf16 ones emulated).
+  XLA's transpose of a gather, a scatter-add (atomics on GPU). Being a custom_vjp, it
+  supports reverse mode only (no `jax.jvp` through the packed paths, as for the Pallas
+  kernels).
   """
   return jnp.take(x, take, axis=0, mode="fill", fill_value=0)
 
