@@ -130,7 +130,9 @@ def main():
   rows = []
 
   def save():  # after every row: a run stopped by a time limit keeps what it measured
-    pathlib.Path(args.out).write_text(json.dumps(dict(rows=rows), indent=1))
+    tmp = pathlib.Path(args.out + ".tmp")  # then renamed: a kill never leaves half a file
+    tmp.write_text(json.dumps(dict(rows=rows), indent=1))
+    tmp.replace(args.out)
   for length in (int(v) for v in args.lengths.split(",")):
     x = inputs(length, 4)
     ms = time_fb(dense, x, 4)

@@ -7,25 +7,30 @@
 # roughly 2 + 3 + 4 minutes, plus up to FLA_TIMEOUT_S for fla (its first call compiles
 # and autotunes for ~4 minutes): split the steps over runs where time is limited.
 #
-# 1. the Pallas test class on the GPU (outputs, states, every gradient vs the scan);
+# 1. the Pallas GPU test class (outputs, states, every gradient vs the scan) and the
+#    CUDA lowering checks;
 # 2. `experiments.profile_kernels` at L = 32K: each kernel alone, then BlockSizes
 #    variants of the whole core (the per-kernel table of docs/kernels.md);
 # 3. `experiments.bench_ops` over the Fig. 6 grid with bf16 errors at L = 2048, and fla
 #    side by side, stopped after FLA_TIMEOUT_S seconds [400] (its rows so far kept).
-# Everything lands in OUT [results/bench_ops]; each step's log is OUT/<step>.log.
+# Everything lands in OUT [results/bench_ops], with the logs test_pallas.log,
+# profile_kernels.log and bench.log. Exits non-zero when a step failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-results/bench_ops}; FLA_TIMEOUT=${2:-400}; STEPS=",${3:-tests,profile,bench},"
 mkdir -p "$OUT"
+FAILED=""
 if [[ $STEPS == *,tests,* ]]; then
-python3 -m pytest -q tests/test_pallas.py -p no:cacheprovider > "$OUT/test_pallas.log" 2>&1
+python3 -m pytest -q -p no:cacheprovider tests/test_pallas.py::TestPallasGPU \
+    tests/test_pallas.py::test_kernels_lower_for_cuda > "$OUT/test_pallas.log" 2>&1 \
+    || FAILED="$FAILED tests"
 echo "tests: $(tail -n 1 "$OUT/test_pallas.log")"
 fi
 if [[ $STEPS == *,profile,* ]]; then
 python3 -m experiments.profile_kernels --out="$OUT/profile_kernels.json" \
     --variants=diag_unroll=2 --variants=diag_unroll=4 --variants=diag_unroll=16 \
     --variants=num_warps=8 --variants=recompute_states=true \
-    > "$OUT/profile_kernels.log" 2>&1
+    > "$OUT/profile_kernels.log" 2>&1 || FAILED="$FAILED profile"
 grep -E "^(defaults|\{)" "$OUT/profile_kernels.log"
 fi
 if [[ $STEPS == *,bench,* ]]; then
@@ -33,6 +38,7 @@ python3 -m experiments.bench_ops --lengths=32768,8192,2048 --partitions=4,8,16 \
     --gla_impls=chunk,pallas_chunk \
     --sse_impls=pallas_varlen,pallas_masking,varlen,masking,loop --loop_max_length=2048 \
     --check_length=2048 --reps=10 --time_fwd=false --fla_timeout="$FLA_TIMEOUT" \
-    --out="$OUT" > "$OUT/bench.log" 2>&1
+    --out="$OUT" > "$OUT/bench.log" 2>&1 || FAILED="$FAILED bench"
 grep -E "^(gla|sse|fla)" "$OUT/bench.log"
 fi
+if [ -n "$FAILED" ]; then echo "failed:$FAILED (see the logs in $OUT)" >&2; exit 1; fi

@@ -15,8 +15,8 @@ non-increasing), Gamma = b_{C-1} and H the state entering the chunk:
 Every exponent evaluated is <= 0: off-diagonal sub-chunk blocks (query block i, key
 block j < i, L = 16 rows each) factor e^{b_t - b_s} = e^{b_t - a_i} e^{a_i - b_s} with
 the anchor a_i = b at the first row of block i; diagonal blocks form e^{b_t - b_s} one
-feature (scores) or one key / query row (gradients) at a time, masked to s <= t
-before the exponential.
+key / query row at a time ([L, Dk] elementwise steps), masked to s <= t before the
+exponential.
 
 Kernels (grid; what each program does):
   _scores_kernel  (NC, H, C/L)    row block i of the intra-chunk matrix A [C, C] (fp32),
@@ -172,7 +172,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll):
   A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk] of one
   (chunk, head). Computed once per chunk and reused by the output kernel (A v) and the
   dv kernel (A^T do). One program per sub-block keeps each program's dependent chain
-  short (at most three small dots and L diagonal steps).
+  short (i small dots, at most C/L - 1, and L diagonal steps).
   """
   i = pl.program_id(2)
   r0 = i * SUB

@@ -38,6 +38,29 @@ def test_row_moves_and_their_gradients_are_exact():
     loss = lambda f: (lambda a: jnp.sum(jnp.sin(f(a)) * w))
     np.testing.assert_array_equal(jax.jit(jax.grad(loss(ours)))(arg), jax.grad(loss(plain))(arg))
 
+  # No slots at all (T = 0): an all-padding buffer, and nothing gathered back.
+  empty = jnp.zeros((0, 3))
+  none = jnp.zeros((0,), jnp.int32)
+  np.testing.assert_array_equal(packing.scatter_rows(empty, none, 4), np.zeros((4, 3)))
+  np.testing.assert_array_equal(
+      jax.grad(lambda a: jnp.sum(packing.scatter_rows(a, none, 4)))(empty), empty)
+  np.testing.assert_array_equal(
+      jax.grad(lambda b: jnp.sum(packing.gather_rows(b, none)))(buf), np.zeros((9, 3)))
+
   # Padding rows of the buffer get exactly zero gradient through gather_rows.
   grad = jax.grad(lambda a: jnp.sum(packing.gather_rows(a, rows)))(buf)
   np.testing.assert_array_equal(np.asarray(grad)[[1, 3, 4, 6, 8]], 0.0)
+
+
+def test_packed_gla_with_no_tokens_keeps_the_initial_state():
+  from sse_jax import ops  # pylint: disable=g-import-not-at-top
+  x = jnp.zeros((1, 0, 2, 16))
+  h0 = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 16, 16))
+  cu = jnp.asarray([0, 0], jnp.int32)
+  run = lambda h: ops.gla(x, x, x, x, initial_state=h, output_final_state=True,
+                          cu_seqlens=cu, impl="chunk")
+  o, final = jax.jit(run)(h0)
+  assert o.shape == (1, 0, 2, 16)
+  np.testing.assert_array_equal(final, h0)
+  grad = jax.grad(lambda h: jnp.sum(run(h)[1]))(h0)
+  np.testing.assert_array_equal(grad, np.ones_like(h0))

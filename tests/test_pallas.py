@@ -160,8 +160,9 @@ class TestPallasGPU:
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
-    core against its XLA twin (chunk 32: four chunks in two segments and a gap)."""
-    c, h, dk, dv = 32, 2, 32, 64
+    core against its XLA twin (chunk 32: four chunks in two segments and a gap; Dk = 64
+    so that block_k = 32 splits the dq/dk kernel into two Dk blocks)."""
+    c, h, dk, dv = 32, 2, 64, 64
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **bs)
     keys = jax.random.split(jax.random.PRNGKey(9), 6)
     shape = (1, 5, c, h)
@@ -226,6 +227,23 @@ def test_kernels_lower_for_cuda():
   # (state gradients), dv, dqk (the forward's states are kept).
   calls = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
   assert calls == 16, f"expected 16 Triton kernel calls, found {calls}"
+
+  # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
+  # (one more local pass and sweep in the backward), other tiles.
+  c, h, d = 32, 1, 64
+  q = jnp.ones((1, 2, c, h, d), jnp.bfloat16)
+  h0, start, count = jnp.zeros((1, h, d, d)), jnp.asarray([0]), jnp.asarray([2])
+  for fields, want in ((dict(diag_unroll=4), 8), (dict(recompute_states=True), 10),
+                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 8)):
+    bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
+    core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
+        q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", category=DeprecationWarning)
+      text = jax.jit(jax.grad(core, (0, 1, 2, 3))).trace(q, q, q, -q.astype(jnp.float32)).lower(
+          lowering_platforms=("cuda",)).as_text()
+    calls = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
+    assert calls == want, f"{fields}: expected {want} Triton kernel calls, found {calls}"
 
 
 def test_profile_kernels_runs_every_kernel():

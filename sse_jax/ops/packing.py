@@ -80,6 +80,8 @@ def _move_rows(x, take, inverse):
   supports reverse mode only (no `jax.jvp` through the packed paths, as for the Pallas
   kernels).
   """
+  if x.shape[0] == 0:  # no slots (e.g. T = 0): nothing to take, all rows are padding
+    return jnp.zeros(take.shape + x.shape[1:], x.dtype)
   return jnp.take(x, take, axis=0, mode="fill", fill_value=0)
 
 
