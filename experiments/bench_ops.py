@@ -23,10 +23,8 @@ import functools
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -34,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.op_setting import make_inputs, time_fn  # pylint: disable=unused-import
 from sse_jax import ops
 
 FLAGS = flags.FLAGS
@@ -61,23 +60,6 @@ flags.DEFINE_string("from_json", "", "Only redraw table and plot from saved benc
 flags.DEFINE_string("out", "results/bench_ops", "Output directory.")
 
 
-def make_inputs(length, n, heads, dim, top_k, seed=0, dtype=jnp.bfloat16):
-  """Random bf16 inputs shaped like an SSE layer's: softmax keys, GLA-style gates."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), 8)
-  shape = (1, length, heads, dim)
-  q = jax.random.normal(keys[0], shape, dtype)
-  k = jax.nn.softmax(jax.random.normal(keys[1], shape, jnp.float32), -1).astype(dtype)
-  v = jax.random.normal(keys[2], shape, dtype)
-  g = jax.nn.log_sigmoid(jax.random.normal(keys[3], shape, jnp.float32)) / 16
-  q0 = jax.random.normal(keys[4], shape, dtype)
-  k0 = jax.nn.softmax(jax.random.normal(keys[5], shape, jnp.float32), -1).astype(dtype)
-  probs = jax.nn.softmax(jax.random.normal(keys[6], (1, length, n), jnp.float32), -1)
-  w, idx = jax.lax.top_k(probs, top_k)
-  cot = jax.random.normal(keys[7], (1, length, heads, dim), dtype)
-  cu = jnp.asarray([0, length // 2, length], jnp.int32)
-  return dict(q=q, k=k, v=v, g=g, q0=q0, k0=k0, w=w, idx=idx, cot=cot, cu=cu)
-
-
 def op_fn(op, impl, n):
   """(forward, forward+backward) functions of the input dict."""
   if op == "gla":
@@ -99,20 +81,6 @@ def op_fn(op, impl, n):
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x["q"], x["k"], x["v"], x["g"],
                                                    x["w"], x)
   return jax.jit(forward), jax.jit(forward_backward)
-
-
-def time_fn(fn, x, reps, warmup):
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(x))
-  compile_s = time.perf_counter() - t0
-  for _ in range(warmup):
-    jax.block_until_ready(fn(x))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(x))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), compile_s
 
 
 def temp_mib(fn, x):

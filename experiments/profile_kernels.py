@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import statistics
-import time
 
 from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 
+from experiments import op_setting
 from pallas_kernels import chunk_gla as kernels
 
 FLAGS = flags.FLAGS
@@ -42,33 +41,23 @@ flags.DEFINE_string("out", "", "Write the rows as JSON here.")
 
 
 def median_ms(fn, *args, reps):
-  jax.block_until_ready(fn(*args))  # compile
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
+  """`op_setting.time_fn`'s rule (one warm-up run) for a function of several arrays."""
+  return op_setting.time_fn(lambda a: fn(*a), args, reps, warmup=1)[0]
 
 
 def make_inputs(length, heads, dim, chunk):
-  """Chunked bf16 inputs [NC, C, H, D], b = cumsum(g), cotangent, two segments."""
+  """The op benchmark's inputs (`op_setting.make_inputs`), cut into chunks [NC, C, H, D]
+  as the kernel core takes them; b = cumsum(g); two segments of L/2."""
   if length % (2 * chunk):
     raise ValueError(f"--length={length} must be a multiple of 2 * chunk = {2 * chunk}")
-  keys = jax.random.split(jax.random.PRNGKey(0), 5)
   nc = length // chunk
-  shape = (nc, chunk, heads, dim)
-  x = dict(
-      q=jax.random.normal(keys[0], shape, jnp.bfloat16),
-      k=jax.nn.softmax(jax.random.normal(keys[1], shape), -1).astype(jnp.bfloat16),
-      v=jax.random.normal(keys[2], shape, jnp.bfloat16),
-      g=jax.nn.log_sigmoid(jax.random.normal(keys[3], shape)) / 16,
-      do=jax.random.normal(keys[4], shape, jnp.bfloat16),
-      h0=jnp.zeros((2, heads, dim, dim), jnp.float32),
-      start=jnp.asarray([0, nc // 2], jnp.int32),
-      count=jnp.asarray([nc // 2, nc // 2], jnp.int32))
+  x = op_setting.make_inputs(length, 1, heads, dim, 1)
+  x = {name: x[name].reshape((nc, chunk, heads, dim)) for name in ("q", "k", "v", "g", "cot")}
+  x["do"] = x.pop("cot")
   x["b"] = jnp.cumsum(x["g"], axis=1)
+  x.update(h0=jnp.zeros((2, heads, dim, dim), jnp.float32),
+           start=jnp.asarray([0, nc // 2], jnp.int32),
+           count=jnp.asarray([nc // 2, nc // 2], jnp.int32))
   return x
 
 
