@@ -202,6 +202,16 @@ def test_block_sizes_validate():
     pallas_chunk_gla.BlockSizes().tiles(40, 64)
 
 
+def _cuda_triton_calls(fn, *args):
+  """Number of Triton kernel calls in jit(fn) lowered for CUDA (Pallas kernels compiled,
+  not interpreted); the lowering itself is the check that Triton accepts them."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    with pallas_chunk_gla.force_interpret(False):
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
+
+
 def test_kernels_lower_for_cuda():
   """Lower the compiled (non-interpret) kernels, forward and backward, for CUDA.
 
@@ -218,14 +228,9 @@ def test_kernels_lower_for_cuda():
                     impl="pallas_varlen", shared=(q, k, g))
     return jnp.sum(o1.astype(jnp.float32)) + jnp.sum(o2.astype(jnp.float32))
 
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    with pallas_chunk_gla.force_interpret(False):
-      traced = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*x, w)
-      text = traced.lower(lowering_platforms=("cuda",)).as_text()
   # Per op: forward scores, local, sweep, outputs; backward local + reverse sweep
   # (state gradients), dv, dqk (the forward's states are kept).
-  calls = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
+  calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
   assert calls == 16, f"expected 16 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
@@ -238,11 +243,7 @@ def test_kernels_lower_for_cuda():
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
         q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", category=DeprecationWarning)
-      text = jax.jit(jax.grad(core, (0, 1, 2, 3))).trace(q, q, q, -q.astype(jnp.float32)).lower(
-          lowering_platforms=("cuda",)).as_text()
-    calls = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
+    calls = _cuda_triton_calls(jax.grad(core, (0, 1, 2, 3)), q, q, q, -q.astype(jnp.float32))
     assert calls == want, f"{fields}: expected {want} Triton kernel calls, found {calls}"
 
 
