@@ -1,37 +1,88 @@
 #!/bin/bash
-# The GPU ablations (fig7, table6, table7, table8) at once on one GPU, as committed under
-# results/*_gpu/:
+# The GPU ablations (fig7, table6, table7, table8) on the GPUs of one machine, as
+# committed under results/*_gpu/:
 #
-#     bash experiments/gpu_ablations.sh [WORKDIR] [STEPS] [TIME_LIMIT_S] [SEEDS]
+#     bash experiments/gpu_ablations.sh [WORKDIR] [STEPS] [TIME_LIMIT_S] [SEEDS] [RUNS]
 #
-# The four sweeps run side by side (18 training processes: a 2-layer width-128 model
-# leaves an H200 mostly idle), with one learning rate (3e-3, the SPEC section 5
-# calibration's) and STEPS steps [2000]; each sweep is stopped after TIME_LIMIT_S
-# seconds [no limit]; SEEDS is a Python tuple of training seeds ["(0,)"], e.g.
-# "(0, 1, 2)" (single runs cannot rank these variants: see results/gpu_repeat/). The
-# base SSE run (N=4, k=1, softmax keys, gate "both", shared QKV) and the GLA run are the
-# same configuration in several sweeps: trained once in fig7 and copied to the others. Reports go to WORKDIR/results/<sweep>/; runs stopped by the time
-# limit appear there as unfinished, with their last evaluation. The full-size configs
-# (4000 steps, learning rates 1e-3 and 3e-3) are the configs' defaults: drop the
-# overrides in C below to run them.
+# STEPS training steps per run [2000], one learning rate (3e-3, the SPEC section 5
+# calibration's); SEEDS: training seeds, space-separated ["0"], e.g. "0 1 2" (single runs
+# cannot rank these variants: see results/gpu_repeat/); RUNS: space-separated
+# sweep:run names [every run of the four sweeps]. Seeds are trained in waves (seed 0 of
+# every run, then seed 1, ...), so a TIME_LIMIT_S [no limit] that cuts the job short
+# leaves whole seeds finished rather than every run half done. Within a wave the runs
+# are spread over the machine's GPUs (cheapest total per GPU, by the train-step times
+# below) and all runs of one GPU train side by side: a 2-layer width-128 model leaves an
+# H200 mostly idle, so one process per run keeps it busy.
+#
+# The base SSE run (N=4, k=1, softmax keys, gate "both", shared QKV) and the GLA run are
+# the same configuration in several sweeps: trained once in fig7 and copied to the
+# others. Reports go to WORKDIR/results/<sweep>/ (mean and spread over the seeds that
+# finished; runs stopped by the time limit appear as unfinished, with their last
+# evaluation). Calling it again with the same WORKDIR skips the finished runs, so a
+# sweep can be split over several calls with RUNS. The full-size configs (4000 steps,
+# learning rates 1e-3 and 3e-3) are the configs' defaults: drop the overrides in C.
 set -u
 cd "$(dirname "$0")/.."
-W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-"(0,)"}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
-C=(--workdir="$W" --config.train.num_steps="$STEPS" "--config.lrs=(0.003,)" "--config.seeds=$SEEDS")
-mkdir -p "$W"
-timeout "$LIMIT" python3 -m experiments.ablation --config=configs/fig7.py "${C[@]}" --workers=12 > "$W/fig7.log" 2>&1 &
-timeout "$LIMIT" python3 -m experiments.ablation --config=configs/table6.py "${C[@]}" --only=silu,identity --workers=2 > "$W/table6.log" 2>&1 &
-timeout "$LIMIT" python3 -m experiments.ablation --config=configs/table7.py "${C[@]}" --only=none,write,read --workers=3 > "$W/table7.log" 2>&1 &
-timeout "$LIMIT" python3 -m experiments.ablation --config=configs/table8.py "${C[@]}" --only=separate > "$W/table8.log" 2>&1 &
-wait
+W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-0}
+ALL="fig7:N1_k1 fig7:N2_k1 fig7:N4_k1 fig7:N4_k2 fig7:N8_k2 fig7:N8_k4 fig7:N16_k4
+     fig7:N16_k8 fig7:N32_k8 fig7:N32_k16 fig7:GLA fig7:Transformer table6:silu
+     table6:identity table7:none table7:write table7:read table8:separate"
+RUNS=${5:-$ALL}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Train step alone on the H200, ms (2 layers, width 128, B = 128, T = 128, bf16; the
+# N = 2, 8, 16 values are interpolated): only used to balance the GPUs.
+declare -A COST=([N1_k1]=5 [N2_k1]=6 [N4_k1]=6 [N4_k2]=7 [N8_k2]=10 [N8_k4]=10
+                 [N16_k4]=18 [N16_k8]=18 [N32_k8]=34 [N32_k16]=34 [GLA]=3
+                 [Transformer]=3 [separate]=8)
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU") || NGPU=1
+[ "$NGPU" -ge 1 ] || NGPU=1
+# Cheapest-GPU-first assignment of the runs, most expensive run first.
+declare -a LOAD GROUP
+for ((g = 0; g < NGPU; g++)); do LOAD[g]=0; GROUP[g]=""; done
+for r in $(for r in $RUNS; do echo "${COST[${r#*:}]:-6} $r"; done | sort -rn | cut -d' ' -f2); do
+  best=0
+  for ((g = 1; g < NGPU; g++)); do ((LOAD[g] < LOAD[best])) && best=$g; done
+  LOAD[best]=$((LOAD[best] + ${COST[${r#*:}]:-6})); GROUP[best]="${GROUP[best]} $r"
+done
+maxn=1
+for ((g = 0; g < NGPU; g++)); do
+  n=$(echo ${GROUP[g]} | wc -w); ((n > maxn)) && maxn=$n
+  echo "GPU $g: ${GROUP[g]} (${LOAD[g]} ms per step)"
+done
+# Share each GPU's memory among its processes.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(min(0.5, 0.9 / $maxn), 3))")
+C=(--workdir="$W" --config.train.num_steps="$STEPS" "--config.lrs=(0.003,)")
+mkdir -p "$W/logs"
+start=$SECONDS
+for s in $SEEDS; do
+  left=0
+  if ((LIMIT > 0)); then
+    left=$((LIMIT - (SECONDS - start)))
+    if ((left <= 0)); then echo "time limit reached before seed $s"; break; fi
+  fi
+  echo "== seed $s ($((SECONDS - start)) s)"
+  for ((g = 0; g < NGPU; g++)); do
+    for sweep in fig7 table6 table7 table8; do
+      only=$(for r in ${GROUP[g]}; do [ "${r%%:*}" = $sweep ] && echo -n "${r#*:},"; done)
+      [ -z "$only" ] && continue
+      n=$(echo "$only" | tr ',' ' ' | wc -w)
+      CUDA_VISIBLE_DEVICES=$g timeout "$left" python3 -m experiments.ablation \
+          --config=configs/$sweep.py "${C[@]}" "--config.seeds=($s,)" --only="${only%,}" \
+          --workers="$n" > "$W/logs/${sweep}_gpu${g}_seed$s.log" 2>&1 &
+    done
+  done
+  wait
+  grep -h "done" "$W"/logs/*_seed$s.log
+done
 for pair in table6:softmax table7:both table8:shared table6:GLA; do
   t=${pair%%:*}; r=${pair##*:}; src=N4_k1; [ "$r" = GLA ] && src=GLA
   if [ -d "$W/fig7_gpu/$src" ]; then
     mkdir -p "$W/${t}_gpu/$r" && cp -r "$W/fig7_gpu/$src/." "$W/${t}_gpu/$r/"
   fi
 done
+seeds="($(echo $SEEDS | sed 's/ /, /g'),)"
 for t in fig7 table6 table7 table8; do
-  python3 -m experiments.ablation --config=configs/$t.py "${C[@]}" --report_only \
-      --results="$W/results/${t}_gpu"
+  python3 -m experiments.ablation --config=configs/$t.py "${C[@]}" "--config.seeds=$seeds" \
+      --report_only --results="$W/results/${t}_gpu" > "$W/logs/${t}_report.log" 2>&1 \
+      || echo "no report for $t (see $W/logs/${t}_report.log)"
 done
