@@ -152,7 +152,7 @@ def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
     values = [metric(s, cfg.metric) for s in ss]
     rows.append(dict(
         run=run["name"], labels=dict(run["labels"]), lr=best, lr_eval_loss=lr_loss,
-        seeds=len(ss), metric=float(np.mean(values)),
+        seeds=len(ss), metric=float(np.mean(values)), values=[float(v) for v in values],
         metric_std=float(np.std(values)) if len(values) > 1 else 0.0,
         eval_loss=float(np.mean([s["eval"]["loss"] for s in ss])),
         finished=finished, step=int(min(s["step"] for s in ss)),
@@ -168,6 +168,7 @@ def label_text(labels: dict[str, Any]) -> str:
 
 def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
   plain = [{k: v for k, v in r.items() if k != "curves"} for r in rows]
+  many = any(r["seeds"] > 1 for r in plain)
   (out / "results.json").write_text(json.dumps(dict(
       name=cfg.name, description=cfg.description, metric=cfg.metric, command=command,
       paper=cfg.paper.to_dict() if hasattr(cfg.paper, "to_dict") else dict(cfg.paper),
@@ -184,13 +185,15 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
   lines = [f"# {cfg.name}: {cfg.description}", "", f"Command: `{command}`", "",
            f"Metric: `{cfg.metric}` (mean over seeds {list(cfg.seeds)}, at the best"
            f" learning rate of {list(cfg.lrs)} by final eval loss).", "",
-           "| run | labels | best lr | metric | eval loss | params | router usage entropy"
-           " | router max usage | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+           "| run | labels | best lr | metric | " + ("per seed | " if many else "")
+           + "eval loss | params | router usage entropy | router max usage | tokens/s |",
+           "|---|---|---|---|" + ("---|" if many else "") + "---|---|---|---|---|"]
   for r in plain:
     m = fmt(r["metric"]) + (f" ± {r['metric_std']:.4f}" if r["seeds"] > 1 else "")
     if not r["finished"]:
       m += f" (unfinished: step {r['step']} of {cfg.train.num_steps})"
-    lines.append(f"| {r['run']} | {label_text(r['labels'])} | {r['lr']:g} | {m} | "
+    per_seed = (" / ".join(f"{v:.3f}" for v in r["values"]) + " | ") if many else ""
+    lines.append(f"| {r['run']} | {label_text(r['labels'])} | {r['lr']:g} | {m} | {per_seed}"
                  f"{fmt(r['eval_loss'])} | {fmt(r['params'], '{:,}')} | "
                  f"{fmt(r.get('usage_entropy'), '{:.3f}')} | {fmt(r.get('usage_max'), '{:.3f}')}"
                  f" | {fmt(r['tokens_per_s'], '{:,.0f}')} |")
@@ -202,9 +205,10 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
   (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
-def _curve(ax, history, name, label):
+def _curve(ax, history, name, label, color=None):
   steps = [h["step"] for h in history if name in h]
-  ax.plot(steps, [h[name] for h in history if name in h], label=label, linewidth=1)
+  ax.plot(steps, [h[name] for h in history if name in h], label=label, linewidth=1,
+          color=color)
 
 
 def plot(cfg, rows, path: pathlib.Path) -> None:
@@ -223,6 +227,12 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
       if pts:
         line = ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts],
                            fmt=style, capsize=3, label=f"k/N = {ratio:.0%}")
+        seeds = [(r["labels"]["N"], v) for r in rows if r["seeds"] > 1
+                 and r["labels"].get("ratio") in (ratio, "all") for v in r["values"]]
+        if seeds:  # every seed, a little to the side of the mean: the spread is bimodal
+          shift = 0.94 if ratio == 0.25 else 1.06
+          ax.scatter([p[0] * shift for p in seeds], [p[1] for p in seeds], s=12, alpha=0.6,
+                     color=line[0].get_color(), zorder=2)
         late = [(r["labels"]["N"], r["metric"]) for r in rows if not r["finished"]
                 and r["labels"].get("ratio") in (ratio, "all")]
         if late:  # unfinished runs: hollow markers
@@ -250,6 +260,9 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
            yerr=[r["metric_std"] for r in rows], capsize=3,
            color=["tab:blue" if r["finished"] else "white" for r in rows],
            edgecolor="tab:blue")
+    for i, r in enumerate(rows):
+      if r["seeds"] > 1:  # every seed as a dot on its bar
+        ax.scatter([i] * r["seeds"], r["values"], s=12, color="black", alpha=0.6, zorder=3)
     names = [n if r["finished"] else f"{n}\n(unfinished, step {r['step']})"
              for n, r in zip(names, rows)]
     ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
@@ -261,11 +274,14 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8)
-  ax_curve.set_prop_cycle(color=plt.cm.tab20.colors)
-  for r in rows:
-    _curve(ax_curve, r["curves"][0], cfg.metric, r["run"])
+  colors = plt.cm.tab20.colors
+  for i, r in enumerate(rows):  # every seed's curve, one colour per run
+    for j, history in enumerate(r["curves"]):
+      _curve(ax_curve, history, cfg.metric, r["run"] if j == 0 else None,
+             colors[i % len(colors)])
   ax_curve.set_xlabel("step")
-  ax_curve.set_ylabel(f"{ylabel} (learning curve, seed {cfg.seeds[0]})")
+  ax_curve.set_ylabel(f"{ylabel} (learning curves"
+                      + (", every seed)" if len(cfg.seeds) > 1 else ")"))
   ax_curve.grid(alpha=0.3)
   ax_curve.legend(fontsize=6, ncol=2)
   fig.suptitle(f"{cfg.name}: {cfg.description}", fontsize=10)

@@ -88,3 +88,23 @@ def test_compare_runs_overlays_curves(tmp_path):
   assert [h["eval_accuracy"] for h in curves["b run"]] == [0.375, 0.75]
   assert [h["step"] for h in curves["a run"]] == [10, 20]
   assert (out / "compare.png").stat().st_size > 0
+
+
+def test_several_seeds_report_mean_spread_and_every_seed(tmp_path):
+  cfg = table8.get_config("cpu")
+  cfg.seeds = (0, 1, 2)
+  jobs = [j for j in ablation.expand(cfg, tmp_path) if j.run == "shared"]
+  for job, acc in zip(jobs, (0.2, 0.9, 0.4)):
+    job.dir.mkdir(parents=True)
+    summary = {"step": 100, "finished": True, "eval": _eval_record(100, 1.0 - acc, acc),
+               "history": [{"step": 100, "eval_accuracy": acc}], "params": 1}
+    (job.dir / "summary.json").write_text(json.dumps(summary))
+  (row,) = ablation.collect(cfg, jobs)
+  assert row["seeds"] == 3 and row["values"] == [0.2, 0.9, 0.4]
+  assert row["metric"] == pytest.approx(0.5) and row["metric_std"] == pytest.approx(0.2944, abs=1e-4)
+  assert len(row["curves"]) == 3
+  ablation.write_tables(cfg, [row], tmp_path, "cmd")
+  table = (tmp_path / "results.md").read_text()
+  assert "| per seed |" in table and "| 0.5000 ± 0.2944 | 0.200 / 0.900 / 0.400 |" in table
+  ablation.plot(cfg, [row], tmp_path / "fig.png")
+  assert (tmp_path / "fig.png").stat().st_size > 0
