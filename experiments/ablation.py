@@ -98,6 +98,19 @@ def read_summary(job: Job) -> dict[str, Any] | None:
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def check_finished_steps(jobs: list[Job]) -> None:
+  """A finished run is skipped and reported as it is: refuse one trained for another
+  number of steps than the config asks (e.g. a 2000-step workdir reused at 4000)."""
+  stale = [(job, summary["step"]) for job in jobs
+           if (summary := read_summary(job)) is not None
+           and summary.get("step") != job.config.num_steps]
+  if stale:
+    job, step = stale[0]
+    raise app.UsageError(
+        f"{job.dir} finished after {step} steps, but the config asks for "
+        f"{job.config.num_steps} ({len(stale)} such runs): use another --workdir")
+
+
 def read_partial(job: Job) -> dict[str, Any] | None:
   """A summary-like view of a run that did not finish: its last evaluation, or None."""
   records = logs.read_records(str(job.dir / "metrics.jsonl"))
@@ -114,13 +127,19 @@ def metric(summary: dict[str, Any], name: str) -> float:
   return float(summary[split][key])
 
 
-def router_stats(summary: dict[str, Any]) -> dict[str, float]:
-  """Mean over SSE layers of the last eval's usage entropy and max usage."""
-  router = summary["eval"].get("router") or []
-  if not router:
+def router_stats(summaries: list[dict[str, Any]]) -> dict[str, float]:
+  """Mean over SSE layers and seeds of the last eval's usage entropy and max usage."""
+  routers = [s["eval"].get("router") or [] for s in summaries]
+  routers = [r for r in routers if r]
+  if not routers:
     return {}
-  return dict(usage_entropy=float(np.mean([r["entropy"] for r in router])),
-              usage_max=float(np.mean([r["max"] for r in router])))
+  return dict(usage_entropy=float(np.mean([[x["entropy"] for x in r] for r in routers])),
+              usage_max=float(np.mean([[x["max"] for x in r] for r in routers])))
+
+
+def _mean_of(summaries: list[dict[str, Any]], key: str) -> float | None:
+  values = [s[key] for s in summaries if s.get(key) is not None]
+  return float(np.mean(values)) if values else None
 
 
 def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
@@ -137,13 +156,13 @@ def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
     for job in mine:
       summary = read_summary(job)
       if summary is not None:
-        by_lr.setdefault(job.lr, []).append(summary)
+        by_lr.setdefault(job.lr, []).append(dict(summary, seed=job.seed))
     finished = bool(by_lr)
     if not finished:
       for job in mine:
         partial = read_partial(job)
         if partial is not None:
-          by_lr.setdefault(job.lr, []).append(partial)
+          by_lr.setdefault(job.lr, []).append(dict(partial, seed=job.seed))
     if not by_lr:
       continue
     lr_loss = {lr: float(np.mean([s["eval"]["loss"] for s in ss])) for lr, ss in by_lr.items()}
@@ -152,13 +171,14 @@ def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
     values = [metric(s, cfg.metric) for s in ss]
     rows.append(dict(
         run=run["name"], labels=dict(run["labels"]), lr=best, lr_eval_loss=lr_loss,
-        seeds=len(ss), metric=float(np.mean(values)), values=[float(v) for v in values],
+        seeds=len(ss), seeds_used=[s["seed"] for s in ss], metric=float(np.mean(values)),
+        values=[float(v) for v in values],
         metric_std=float(np.std(values)) if len(values) > 1 else 0.0,
         eval_loss=float(np.mean([s["eval"]["loss"] for s in ss])),
         finished=finished, step=int(min(s["step"] for s in ss)),
-        params=ss[0].get("params"), tokens_per_s=ss[0].get("tokens_per_s"),
+        params=ss[0].get("params"), tokens_per_s=_mean_of(ss, "tokens_per_s"),
         wall_time_s=float(np.sum([s.get("wall_time_s", 0.0) for s in ss])),
-        curves=[s["history"] for s in ss], **router_stats(ss[0])))
+        curves=[s["history"] for s in ss], **router_stats(ss)))
   return rows
 
 
@@ -173,18 +193,22 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
       name=cfg.name, description=cfg.description, metric=cfg.metric, command=command,
       paper=cfg.paper.to_dict() if hasattr(cfg.paper, "to_dict") else dict(cfg.paper),
       rows=rows), indent=1))
-  fields = ["run", "labels", "lr", "seeds", "metric", "metric_std", "eval_loss", "step",
+  fields = ["run", "labels", "lr", "seeds", "metric", "metric_std", "per_seed", "eval_loss",
+            "step",
             "finished", "params",
             "usage_entropy", "usage_max", "tokens_per_s", "wall_time_s"]
   with open(out / "results.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
     w.writeheader()
     for r in plain:
-      w.writerow(dict(r, labels=label_text(r["labels"])))
+      w.writerow(dict(r, labels=label_text(r["labels"]), per_seed=_per_seed(r, " ")))
   fmt = lambda v, f="{:.4f}": "-" if v is None else f.format(v)
   lines = [f"# {cfg.name}: {cfg.description}", "", f"Command: `{command}`", "",
            f"Metric: `{cfg.metric}` (mean over seeds {list(cfg.seeds)}, at the best"
-           f" learning rate of {list(cfg.lrs)} by final eval loss).", "",
+           f" learning rate of {list(cfg.lrs)} by final eval loss"
+           + ("; ± is the standard deviation over seeds (ddof = 0), and every seed's"
+              " value is listed as s<seed> value; router statistics and tokens/s are means over"
+              " seeds" if many else "") + ").", "",
            "| run | labels | best lr | metric | " + ("per seed | " if many else "")
            + "eval loss | params | router usage entropy | router max usage | tokens/s |",
            "|---|---|---|---|" + ("---|" if many else "") + "---|---|---|---|---|"]
@@ -192,7 +216,7 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
     m = fmt(r["metric"]) + (f" ± {r['metric_std']:.4f}" if r["seeds"] > 1 else "")
     if not r["finished"]:
       m += f" (unfinished: step {r['step']} of {cfg.train.num_steps})"
-    per_seed = (" / ".join(f"{v:.3f}" for v in r["values"]) + " | ") if many else ""
+    per_seed = (_per_seed(r, " / ") + " | ") if many else ""
     lines.append(f"| {r['run']} | {label_text(r['labels'])} | {r['lr']:g} | {m} | {per_seed}"
                  f"{fmt(r['eval_loss'])} | {fmt(r['params'], '{:,}')} | "
                  f"{fmt(r.get('usage_entropy'), '{:.3f}')} | {fmt(r.get('usage_max'), '{:.3f}')}"
@@ -203,6 +227,11 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
   if cfg.paper:
     lines += ["", "Paper: " + ", ".join(f"{k}: {v}" for k, v in dict(cfg.paper).items())]
   (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def _per_seed(row, sep: str) -> str:
+  """"s0 0.626 / s2 0.194": each seed that reported, by number (some may be missing)."""
+  return sep.join(f"s{seed} {v:.3f}" for seed, v in zip(row["seeds_used"], row["values"]))
 
 
 def _curve(ax, history, name, label, color=None):
@@ -227,8 +256,9 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
       if pts:
         line = ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts],
                            fmt=style, capsize=3, label=f"k/N = {ratio:.0%}")
+        own = (ratio, "all") if ratio == 0.25 else (ratio,)  # the shared start once
         seeds = [(r["labels"]["N"], v) for r in rows if r["seeds"] > 1
-                 and r["labels"].get("ratio") in (ratio, "all") for v in r["values"]]
+                 and r["labels"].get("ratio") in own for v in r["values"]]
         if seeds:  # every seed, a little to the side of the mean: the spread is bimodal
           shift = 0.94 if ratio == 0.25 else 1.06
           ax.scatter([p[0] * shift for p in seeds], [p[1] for p in seeds], s=12, alpha=0.6,
@@ -247,11 +277,18 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
   elif cfg.figure == "vs_width":
     for gap, style in (("zero", "-"), ("noise", "--")):
       for variant, marker in (("dense", "o"), ("top-k", "s")):
-        pts = sorted((r["labels"]["width"], r["metric"]) for r in rows
-                     if r["labels"].get("gap") == gap and r["labels"].get("variant") == variant)
-        if pts:
-          ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker,
-                  label=f"{variant}, {gap} gap")
+        mine = sorted((r for r in rows if r["labels"].get("gap") == gap
+                       and r["labels"].get("variant") == variant),
+                      key=lambda r: r["labels"]["width"])
+        if mine:
+          line = ax.errorbar([r["labels"]["width"] for r in mine], [r["metric"] for r in mine],
+                             [r["metric_std"] for r in mine], fmt=style, marker=marker,
+                             capsize=3, label=f"{variant}, {gap} gap")
+          seeds = [(r["labels"]["width"], v) for r in mine if r["seeds"] > 1
+                   for v in r["values"]]
+          if seeds:
+            ax.scatter([p[0] for p in seeds], [p[1] for p in seeds], s=12, alpha=0.6,
+                       color=line[0].get_color(), zorder=2)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("model width")
   else:  # bars
@@ -382,6 +419,7 @@ def main(argv):
   unknown = [n for n in FLAGS.only if n not in names]
   if unknown:
     raise app.UsageError(f"--only: unknown run names {unknown}; runs: {sorted(names)}")
+  check_finished_steps(jobs)
   command = "python -m experiments.ablation " + " ".join(  # what reproduces the runs
       _without(sys.argv[1:], ("--workdir", "--report_only", "--workers")))
   failed = []

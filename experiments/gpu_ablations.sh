@@ -2,12 +2,15 @@
 # The GPU ablations (fig7, table6, table7, table8) on the GPUs of one machine, as
 # committed under results/*_gpu/:
 #
-#     bash experiments/gpu_ablations.sh [WORKDIR] [STEPS] [TIME_LIMIT_S] [SEEDS] [RUNS]
+#     bash experiments/gpu_ablations.sh [WORKDIR] [STEPS] [TIME_LIMIT_S] [SEEDS] [RUNS] [LRS]
 #
-# STEPS training steps per run [2000], one learning rate (3e-3, the SPEC section 5
-# calibration's); SEEDS: training seeds, space-separated ["0"], e.g. "0 1 2" (single runs
-# cannot rank these variants: see results/gpu_repeat/); RUNS: space-separated
-# sweep:run names [every run of the four sweeps]. Seeds are trained in waves (seed 0 of
+# STEPS training steps per run [2000]; SEEDS: training seeds, space-separated ["0"], e.g.
+# "0 1 2" (single runs cannot rank these variants: see results/gpu_repeat/); RUNS:
+# space-separated sweep:run names of any configs/<sweep>.py, e.g. fig9:zero_dense_d64,
+# or sweep:* for all of a sweep's runs ["" = every run of fig7, table6, table7 and
+# table8, the base runs of the tables once]; LRS: the learning rates, a Python
+# tuple ["(0.003,)", the SPEC section 5 calibration's; the configs' own default is
+# "(0.001, 0.003)"]. Seeds are trained in waves (seed 0 of
 # every run, then seed 1, ...), so a TIME_LIMIT_S [no limit] that cuts the job short
 # leaves whole seeds finished rather than every run half done. Within a wave the runs
 # are spread over the machine's GPUs (cheapest total per GPU, by the train-step times
@@ -19,15 +22,30 @@
 # others. Reports go to WORKDIR/results/<sweep>/ (mean and spread over the seeds that
 # finished; runs stopped by the time limit appear as unfinished, with their last
 # evaluation). Calling it again with the same WORKDIR skips the finished runs, so a
-# sweep can be split over several calls with RUNS. The full-size configs (4000 steps,
-# learning rates 1e-3 and 3e-3) are the configs' defaults: drop the overrides in C.
+# sweep can be split over several calls with RUNS. The configs' full size:
+#
+#     bash experiments/gpu_ablations.sh workdir_full 4000 0 "0 1 2" "" "(0.001, 0.003)"
+#
+# (a WORKDIR of its own: runs already finished there are skipped, whatever their STEPS)
 set -u
 cd "$(dirname "$0")/.."
-W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-0}
+W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-0}; LRS=${6:-"(0.003,)"}
 ALL="fig7:N1_k1 fig7:N2_k1 fig7:N4_k1 fig7:N4_k2 fig7:N8_k2 fig7:N8_k4 fig7:N16_k4
      fig7:N16_k8 fig7:N32_k8 fig7:N32_k16 fig7:GLA fig7:Transformer table6:silu
      table6:identity table7:none table7:write table7:read table8:separate"
 RUNS=${5:-$ALL}
+# sweep:* is every run of that sweep.
+set -f  # no globbing while RUNS may hold sweep:*
+for r in $RUNS; do
+  [ -f "configs/${r%%:*}.py" ] || { echo "RUNS: $r: no config configs/${r%%:*}.py" >&2; exit 2; }
+done
+RUNS=$(for r in $RUNS; do
+  if [ "${r#*:}" = "*" ]; then
+    python3 -c "from configs import ${r%%:*} as m; print(' '.join('${r%%:*}:' + x['name'] for x in m.get_config().runs))"
+  else echo "$r"; fi
+done)
+SWEEPS=$(for r in $RUNS; do echo "${r%%:*}"; done | awk '!seen[$0]++' | tr '\n' ' ')
+set +f
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 # Train step alone on the H200, ms (2 layers, width 128, B = 128, T = 128, bf16; the
 # N = 2, 8, 16 values are interpolated): only used to balance the GPUs.
@@ -44,14 +62,17 @@ for r in $(for r in $RUNS; do echo "${COST[${r#*:}]:-6} $r"; done | sort -rn | c
   for ((g = 1; g < NGPU; g++)); do ((LOAD[g] < LOAD[best])) && best=$g; done
   LOAD[best]=$((LOAD[best] + ${COST[${r#*:}]:-6})); GROUP[best]="${GROUP[best]} $r"
 done
+# Every learning rate of a run trains at once too.
+NLR=$(python3 -c "l = $LRS; assert isinstance(l, tuple) and l; print(len(l))" 2>/dev/null) ||
+  { echo "LRS=$LRS: expected a non-empty Python tuple such as \"(0.003,)\"" >&2; exit 2; }
 maxn=1
 for ((g = 0; g < NGPU; g++)); do
-  n=$(echo ${GROUP[g]} | wc -w); ((n > maxn)) && maxn=$n
+  n=$(($(echo ${GROUP[g]} | wc -w) * NLR)); ((n > maxn)) && maxn=$n
   echo "GPU $g: ${GROUP[g]} (${LOAD[g]} ms per step)"
 done
 # Share each GPU's memory among its processes.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(min(0.5, 0.9 / $maxn), 3))")
-C=(--workdir="$W" --config.train.num_steps="$STEPS" "--config.lrs=(0.003,)")
+C=(--workdir="$W" --config.train.num_steps="$STEPS" "--config.lrs=$LRS")
 mkdir -p "$W/logs"
 start=$SECONDS
 for s in $SEEDS; do
@@ -62,10 +83,10 @@ for s in $SEEDS; do
   fi
   echo "== seed $s ($((SECONDS - start)) s)"
   for ((g = 0; g < NGPU; g++)); do
-    for sweep in fig7 table6 table7 table8; do
+    for sweep in $SWEEPS; do
       only=$(for r in ${GROUP[g]}; do [ "${r%%:*}" = $sweep ] && echo -n "${r#*:},"; done)
       [ -z "$only" ] && continue
-      n=$(echo "$only" | tr ',' ' ' | wc -w)
+      n=$(($(echo "$only" | tr ',' ' ' | wc -w) * NLR))
       CUDA_VISIBLE_DEVICES=$g timeout "$left" python3 -m experiments.ablation \
           --config=configs/$sweep.py "${C[@]}" "--config.seeds=($s,)" --only="${only%,}" \
           --workers="$n" > "$W/logs/${sweep}_gpu${g}_seed$s.log" 2>&1 &
@@ -74,14 +95,19 @@ for s in $SEEDS; do
   wait
   grep -h "done" "$W"/logs/*_seed$s.log
 done
+# fig7's base runs stand in for the tables' (same configuration), where a table has
+# not trained its own (e.g. RUNS=table6:*).
 for pair in table6:softmax table7:both table8:shared table6:GLA; do
   t=${pair%%:*}; r=${pair##*:}; src=N4_k1; [ "$r" = GLA ] && src=GLA
-  if [ -d "$W/fig7_gpu/$src" ]; then
-    mkdir -p "$W/${t}_gpu/$r" && cp -r "$W/fig7_gpu/$src/." "$W/${t}_gpu/$r/"
-  fi
+  [[ " $SWEEPS " == *" $t "* ]] || continue
+  for job in "$W/fig7_gpu/$src"/lr*; do
+    [ -f "$job/summary.json" ] || continue
+    dest="$W/${t}_gpu/$r/$(basename "$job")"
+    [ -e "$dest" ] || { mkdir -p "$(dirname "$dest")" && cp -r "$job" "$dest"; }
+  done
 done
 seeds="($(echo $SEEDS | sed 's/ /, /g'),)"
-for t in fig7 table6 table7 table8; do
+for t in $SWEEPS; do
   python3 -m experiments.ablation --config=configs/$t.py "${C[@]}" "--config.seeds=$seeds" \
       --report_only --results="$W/results/${t}_gpu" > "$W/logs/${t}_report.log" 2>&1 \
       || echo "no report for $t (see $W/logs/${t}_report.log)"

@@ -30,6 +30,7 @@ if [[ $STEPS == *,profile,* ]]; then
 python3 -m experiments.profile_kernels --out="$OUT/profile_kernels.json" \
     --variants=diag_unroll=2 --variants=diag_unroll=4 --variants=diag_unroll=16 \
     --variants=num_warps=8 --variants=recompute_states=true \
+    --variants=split_dqk=true --variants=split_dqk=true,diag_unroll=4 \
     > "$OUT/profile_kernels.log" 2>&1 || FAILED="$FAILED profile"
 grep -E "^(defaults|\{)" "$OUT/profile_kernels.log"
 fi

@@ -18,6 +18,7 @@ times mean nothing. Writes a JSON list of rows to `--out` when given.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -87,6 +88,11 @@ def per_kernel(x, bs, interpret, reps):
       "dqk": (jit(lambda q, k, b, v, do, h, dh, ok: k_._dqkb(q, k, b, v, do, h, dh, ok, bs, interpret)),
               (x["q"], x["k"], x["b"], x["v"], x["do"], h_start, dh, valid)),
   }
+  # The other form of dq/dk (BlockSizes.split_dqk), beside the one bs selects.
+  other = dataclasses.replace(bs, split_dqk=not bs.split_dqk)
+  fns["dqk_split" if other.split_dqk else "dqk_fused"] = (
+      jit(lambda q, k, b, v, do, h, dh, ok: k_._dqkb(q, k, b, v, do, h, dh, ok, other, interpret)),  # pylint: disable=protected-access
+      fns["dqk"][1])
   return {name: median_ms(fn, *args, reps=reps) for name, (fn, args) in fns.items()}
 
 

@@ -33,6 +33,11 @@ Kernels (grid; what each program does):
   _dqk_kernel     (NC, H, nK, C/L) dq, dk and db (gradient w.r.t. the cumulative gates)
                                    of sub-block i, from dA = tril(do v^T) (one batched
                                    XLA matmul) and the chunk's states.
+  With BlockSizes.split_dqk, _dqk_kernel's work in two kernels:
+  _dqk_inter_kernel (NC, H, nK)   the inter-chunk terms of dq and dk, [C, Dv] x [Dv, BK]
+                                   matmuls with the states loaded once, and dGamma.
+  _dqk_intra_kernel (NC, H, nK, C/L) sub-block i adds the intra-chunk terms (from dA)
+                                   in place and writes db.
 The gates enter as b = cumsum(g) computed outside the custom_vjp, so XLA's transpose
 of the cumsum turns db into dg (dg_u = sum_{t >= u} db_t).
 
@@ -77,7 +82,11 @@ class BlockSizes:
   the backward pass instead of keeping them ([NC, H, Dk, Dv] fp32, the largest
   residual) -- less memory, one more sweep. diag_unroll: rows of a diagonal sub-block
   handled per loop iteration in the scores and dq/dk kernels (the loop is a chain of
-  small dependent steps; unrolling gives the scheduler independent work).
+  small dependent steps; unrolling gives the scheduler independent work). split_dqk:
+  compute dq / dk in two kernels, the inter-chunk terms per (chunk, Dk block) as
+  [C, Dv] x [Dv, BK] matmuls that read the states once, then the intra-chunk terms
+  per sub-block; instead of one kernel per sub-block that reads the [BK, Dv] states
+  C / L times and multiplies 16-row tiles.
   """
 
   chunk: int = 64
@@ -89,6 +98,7 @@ class BlockSizes:
   num_stages: int = 2
   recompute_states: bool = False
   diag_unroll: int = 1
+  split_dqk: bool = False
 
   def __post_init__(self):
     if self.chunk not in (16, 32, 64, 128):
@@ -268,31 +278,34 @@ def _dv_kernel(valid_ref, k_ref, b_ref, a_ref, do_ref, dh_ref, dv_ref, *, chunk,
   dv_ref[...] = jnp.where(valid, acc, 0.0).astype(dv_ref.dtype)
 
 
-def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
-                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype, unroll):
-  """Sub-block i = program_id(3) of one (chunk, head, Dk block).
+def _dq_dk_inter(b_ref, v, do, h, dh, *, chunk, dtype, rows=None):
+  """The inter-chunk terms of dq and dk for the rows `rows` of the chunk (all if None).
 
-  Outputs dq, dk and db [L, BK] (db without its dGamma term) and this sub-block's share
-  of dGamma [1, BK] (summed over sub-blocks and added to the last row of db outside).
-  q, k, b: [C, BK]; v, do: [L, Dv] (rows of i); h (entering the chunk), dh (after it):
-  [BK, Dv]; da: [C, C] = tril(do v^T) of the chunk (fp32).
+  dq = e^b (do H^T) and dk = e^{Gamma - b} (v dH'^T): [rows, BK]; v, do: [rows, Dv];
+  h (entering the chunk), dh (after it): [BK, Dv].
   """
-  valid = valid_ref[pl.program_id(0)] > 0
-  i = pl.program_id(3)
-  r0, ns = i * SUB, chunk // SUB
-  h, dh = h_ref[...], dh_ref[...]
-  qi, ki, bi = _rows(q_ref, i), _rows(k_ref, i), _rows(b_ref, i)
+  b = b_ref[...].astype(jnp.float32) if rows is None else _rows(b_ref, rows)
   last = _row(b_ref, chunk - 1)                                          # [1, BK]
+  dq = jnp.exp(b) * _dot(do, h, _NT, dtype)
+  dk = jnp.exp(last - b) * _dot(v, dh, _NT, dtype)
+  return dq, dk
 
-  # Inter-chunk parts, and this sub-block's share of dGamma.
-  dq = jnp.exp(bi) * _dot(do_ref[...], h, _NT, dtype)
-  dk = jnp.exp(last - bi) * _dot(v_ref[...], dh, _NT, dtype)
-  h_dh = jnp.exp(last) * jnp.sum(h * dh, axis=1).reshape(1, -1)
-  d_gamma = (jnp.sum(ki * dk, axis=0, keepdims=True)
-             + jnp.where(i == ns - 1, h_dh, 0.0))
 
-  # Off-diagonal sub-blocks, anchored at the first row of i (dq: key blocks j < i) and
-  # at the last row of i (dk: query blocks j > i); every exponent is <= 0.
+def _state_share_of_dgamma(b_ref, h, dh, *, chunk):
+  """e^Gamma sum_v H * dH' [1, BK]: the states' term of dGamma."""
+  return jnp.exp(_row(b_ref, chunk - 1)) * jnp.sum(h * dh, axis=1).reshape(1, -1)
+
+
+def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll):
+  """dq, dk [L, BK] of sub-block i plus their intra-chunk terms.
+
+  Off-diagonal sub-blocks are anchored at the first row of i (dq: key blocks j < i)
+  and at the last row of i (dk: query blocks j > i), so every exponent is <= 0; the
+  diagonal block goes one row s at a time: elementwise [L, BK] updates whose only
+  reductions are over the [L, L] tile of dA. da: [C, C] = tril(do v^T) (fp32).
+  """
+  r0, ns = i * SUB, chunk // SUB
+  bi = _rows(b_ref, i)
   first, end = _row(b_ref, r0), _row(b_ref, r0 + SUB - 1)
 
   def dq_block(j, acc):
@@ -303,12 +316,10 @@ def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da
     q_t = _rows(q_ref, j) * jnp.exp(_rows(b_ref, j) - end)
     return acc + _dot(da_ref[pl.ds(j * SUB, SUB), pl.ds(r0, SUB)], q_t, _TN, dtype)
 
-  zeros = jnp.zeros_like(qi)
+  zeros = jnp.zeros_like(bi)
   dq = dq + jnp.exp(bi - first) * lax.fori_loop(0, i, dq_block, zeros)
   dk = dk + jnp.exp(end - bi) * lax.fori_loop(i + 1, ns, dk_block, zeros)
 
-  # Diagonal block, one row s at a time: elementwise [L, BK] updates, the only
-  # reductions are over the [L, L] tile of dA.
   d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
   rows, cols, row = _iota(0), _iota(1), _iota(0, 1)
 
@@ -321,11 +332,67 @@ def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da
     dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
     return dq_i, dk_i
 
-  dq, dk = _row_loop(diag, (dq, dk), unroll)
+  return _row_loop(diag, (dq, dk), unroll)
+
+
+def _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref):
+  """dq, dk and db = q dq - k dk (without its dGamma term) of sub-block i."""
+  qi, ki = _rows(q_ref, i), _rows(k_ref, i)
   dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
   dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
   db_ref[...] = jnp.where(valid, qi * dq - ki * dk, 0.0).astype(db_ref.dtype)
+
+
+def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
+                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype, unroll):
+  """Sub-block i = program_id(3) of one (chunk, head, Dk block), inter and intra terms.
+
+  Outputs dq, dk and db [L, BK] (db without its dGamma term) and this sub-block's share
+  of dGamma [1, BK] (summed over sub-blocks and added to the last row of db outside).
+  q, k, b: [C, BK]; v, do: [L, Dv] (rows of i); h (entering the chunk), dh (after it):
+  [BK, Dv]; da: [C, C] = tril(do v^T) of the chunk (fp32).
+  """
+  valid = valid_ref[pl.program_id(0)] > 0
+  i = pl.program_id(3)
+  h, dh = h_ref[...], dh_ref[...]
+  dq, dk = _dq_dk_inter(b_ref, v_ref[...], do_ref[...], h, dh, chunk=chunk, dtype=dtype,
+                        rows=i)
+  d_gamma = (jnp.sum(_rows(k_ref, i) * dk, axis=0, keepdims=True)
+             + jnp.where(i == chunk // SUB - 1,
+                         _state_share_of_dgamma(b_ref, h, dh, chunk=chunk), 0.0))
+  dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, chunk=chunk, dtype=dtype,
+                      unroll=unroll)
+  _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref)
   dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
+
+
+def _dqk_inter_kernel(valid_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
+                      dq_ref, dk_ref, dgamma_ref, *, chunk, dtype):
+  """split_dqk, first kernel: one (chunk, head, Dk block).
+
+  dq, dk [C, BK] (fp32): their inter-chunk terms; dGamma [1, BK] (whole: its intra
+  terms cancel). k, b: [C, BK]; v, do: [C, Dv]; h, dh: [BK, Dv].
+  """
+  valid = valid_ref[pl.program_id(0)] > 0
+  h, dh = h_ref[...], dh_ref[...]
+  dq, dk = _dq_dk_inter(b_ref, v_ref[...], do_ref[...], h, dh, chunk=chunk, dtype=dtype)
+  d_gamma = (jnp.sum(k_ref[...].astype(jnp.float32) * dk, axis=0, keepdims=True)
+             + _state_share_of_dgamma(b_ref, h, dh, chunk=chunk))
+  dq_ref[...] = jnp.where(valid, dq, 0.0)
+  dk_ref[...] = jnp.where(valid, dk, 0.0)
+  dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
+
+
+def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, da_ref, dq_in_ref, dk_in_ref,
+                      dq_ref, dk_ref, db_ref, *, chunk, dtype, unroll):
+  """split_dqk, second kernel: sub-block i = program_id(3) of one (chunk, head, Dk
+  block) adds the intra-chunk terms to the inter ones (dq_in, dk_in [L, BK], whose
+  buffers dq, dk overwrite) and writes db [L, BK] without its dGamma term."""
+  valid = valid_ref[pl.program_id(0)] > 0
+  i = pl.program_id(3)
+  dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq_in_ref[...], dk_in_ref[...],
+                      chunk=chunk, dtype=dtype, unroll=unroll)
+  _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref)
 
 
 # ----------------------------------------------------------------------------------
@@ -459,6 +526,8 @@ def _output_scores(do, v):
 
 def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
   """dq, dk, db [NC, C, H, Dk] fp32 (see _dqk_kernel), dGamma included in db."""
+  if bs.split_dqk:
+    return _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, interpret)
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   bk, _ = bs.tiles(dk, dv)
@@ -481,6 +550,49 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk",
   )(valid, q, k, b, v, do, h_start, dh, _output_scores(do, v))
   return dq, dk_, db.at[:, -1].add(jnp.sum(d_gamma, axis=2))
+
+
+def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, interpret):
+  """_dqkb as two kernels (BlockSizes.split_dqk): inter-chunk terms per (chunk, Dk
+  block), then intra-chunk terms per sub-block, updating the first kernel's buffers."""
+  nc, c, h, dk = q.shape
+  dv = v.shape[-1]
+  bk, _ = bs.tiles(dk, dv)
+  ns = c // SUB
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk: (n, 0, hh, kk))
+  v_all = pl.BlockSpec((None, c, None, dv), lambda n, hh, kk: (n, 0, hh, 0))
+  state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk: (n, hh, kk, 0))
+  kernel = functools.partial(_dqk_inter_kernel, chunk=c, dtype=q.dtype)
+  dq_inter, dk_inter, d_gamma = pl.pallas_call(
+      kernel, grid=(nc, h, dk // bk),
+      in_specs=[_whole(nc), k_blk, k_blk, v_all, v_all, state, state],
+      out_specs=[k_blk, k_blk,
+                 pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk: (n, hh, 0, kk))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((nc, h, 1, dk), jnp.float32)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_dqk_inter",
+  )(valid, k, b, v, do, h_start, dh)
+
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk, i: (n, 0, hh, kk))
+  sub_k = pl.BlockSpec((None, SUB, None, bk), lambda n, hh, kk, i: (n, i, hh, kk))
+  kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
+                             unroll=bs.diag_unroll)
+  dq, dk_, db = pl.pallas_call(
+      kernel, grid=(nc, h, dk // bk, ns),
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk,
+                pl.BlockSpec((None, None, c, c), lambda n, hh, kk, i: (n, hh, 0, 0)),
+                sub_k, sub_k],
+      out_specs=[sub_k, sub_k, sub_k],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(b.shape, jnp.float32)],
+      # Each program reads its own [L, BK] rows of the inter terms before writing the
+      # same rows of dq / dk: the buffers can be reused.
+      input_output_aliases={5: 0, 6: 1},
+      compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
+  )(valid, q, k, b, _output_scores(do, v), dq_inter, dk_inter)
+  return dq, dk_, db.at[:, -1].add(d_gamma[:, :, 0])
 
 
 # ----------------------------------------------------------------------------------

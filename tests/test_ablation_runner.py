@@ -105,6 +105,27 @@ def test_several_seeds_report_mean_spread_and_every_seed(tmp_path):
   assert len(row["curves"]) == 3
   ablation.write_tables(cfg, [row], tmp_path, "cmd")
   table = (tmp_path / "results.md").read_text()
-  assert "| per seed |" in table and "| 0.5000 ± 0.2944 | 0.200 / 0.900 / 0.400 |" in table
+  assert "| per seed |" in table
+  assert "| 0.5000 ± 0.2944 | s0 0.200 / s1 0.900 / s2 0.400 |" in table
+  # A seed that did not report is missing by number, not shifted onto another.
+  (jobs[1].dir / "summary.json").unlink()
+  (row,) = ablation.collect(cfg, jobs)
+  assert row["seeds_used"] == [0, 2] and row["values"] == [0.2, 0.4]
+  ablation.write_tables(cfg, [row], tmp_path, "cmd")
+  assert "| s0 0.200 / s2 0.400 |" in (tmp_path / "results.md").read_text()
   ablation.plot(cfg, [row], tmp_path / "fig.png")
   assert (tmp_path / "fig.png").stat().st_size > 0
+
+
+def test_a_finished_run_of_other_length_is_refused(tmp_path):
+  cfg = table8.get_config("cpu")
+  jobs = ablation.expand(cfg, tmp_path)
+  jobs[0].dir.mkdir(parents=True)
+  summary = {"step": cfg.train.num_steps // 2, "finished": True,
+             "eval": _eval_record(1, 1.0, 0.5), "history": []}
+  (jobs[0].dir / "summary.json").write_text(json.dumps(summary))
+  with pytest.raises(ablation.app.UsageError, match="use another --workdir"):
+    ablation.check_finished_steps(jobs)
+  summary["step"] = cfg.train.num_steps
+  (jobs[0].dir / "summary.json").write_text(json.dumps(summary))
+  ablation.check_finished_steps(jobs)  # the same length: fine

@@ -157,12 +157,21 @@ class TestPallasGPU:
   @pytest.mark.parametrize("bs", [
       dict(recompute_states=True, sweep_k=16, sweep_v=64),
       dict(block_k=32, block_v=16, sweep_k=64, sweep_v=16, num_warps=2, diag_unroll=4),
+      dict(split_dqk=True, block_k=32, diag_unroll=2),
+      # The split dq/dk kernels' largest tiles, on the GPU only (slow in interpret mode).
+      dict(split_dqk=True, chunk=128, dims=(128, 128)),
+      dict(split_dqk=True, block_k=128, dims=(256, 256)),
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
     core against its XLA twin (chunk 32: four chunks in two segments and a gap; Dk = 64
     so that block_k = 32 splits the dq/dk kernel into two Dk blocks)."""
-    c, h, dk, dv = 32, 2, 64, 64
+    bs = dict(bs)
+    dims = bs.pop("dims", None)
+    if dims and self.INTERPRET:
+      pytest.skip("large tiles run in the GPU class only, to keep CI fast")
+    c, h = bs.pop("chunk", 32), 2
+    dk, dv = dims or (64, 64)
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **bs)
     keys = jax.random.split(jax.random.PRNGKey(9), 6)
     shape = (1, 5, c, h)
@@ -234,12 +243,13 @@ def test_kernels_lower_for_cuda():
   assert calls == 16, f"expected 16 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
-  # (one more local pass and sweep in the backward), other tiles.
+  # (one more local pass and sweep in the backward), other tiles, dq/dk in two kernels.
   c, h, d = 32, 1, 64
   q = jnp.ones((1, 2, c, h, d), jnp.bfloat16)
   h0, start, count = jnp.zeros((1, h, d, d)), jnp.asarray([0]), jnp.asarray([2])
   for fields, want in ((dict(diag_unroll=4), 8), (dict(recompute_states=True), 10),
-                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 8)):
+                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 8),
+                       (dict(split_dqk=True), 9)):
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
         q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
@@ -257,7 +267,7 @@ def test_profile_kernels_runs_every_kernel():
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     times = profile_kernels.per_kernel(x, bs, True, reps=1)
-  assert set(times) == {"scores", "local", "sweep", "outputs", "dv", "dqk"}
+  assert set(times) == {"scores", "local", "sweep", "outputs", "dv", "dqk", "dqk_split"}
   assert all(t > 0 for t in times.values())
   assert profile_kernels.parse_variant("num_warps=8, recompute_states=true") == dict(
       num_warps=8, recompute_states=True)
