@@ -4,18 +4,19 @@
 #
 #     bash experiments/gpu_ablations.sh [WORKDIR] [STEPS] [TIME_LIMIT_S] [SEEDS] [RUNS] [LRS]
 #
-# STEPS training steps per run [2000]; SEEDS: training seeds, space-separated ["0"], e.g.
-# "0 1 2" (single runs cannot rank these variants: see results/gpu_repeat/); RUNS:
-# space-separated sweep:run names of any configs/<sweep>.py, e.g. fig9:zero_dense_d64,
-# or sweep:* for all of a sweep's runs ["" = every run of fig7, table6, table7 and
-# table8, the base runs of the tables once]; LRS: the learning rates, a Python
-# tuple ["(0.003,)", the SPEC section 5 calibration's; the configs' own default is
-# "(0.001, 0.003)"]. Seeds are trained in waves (seed 0 of
-# every run, then seed 1, ...), so a TIME_LIMIT_S [no limit] that cuts the job short
-# leaves whole seeds finished rather than every run half done. Within a wave the runs
-# are spread over the machine's GPUs (cheapest total per GPU, by the train-step times
-# below) and all runs of one GPU train side by side: a 2-layer width-128 model leaves an
-# H200 mostly idle, so one process per run keeps it busy.
+# STEPS training steps per run [2000]; SEEDS: training seeds, space-separated ["0"],
+# e.g. "0 1 2" (single runs cannot rank these variants: see results/gpu_repeat/);
+# RUNS: space-separated sweep:run names of any configs/<sweep>.py, e.g.
+# fig9:zero_dense_d64, or sweep:* for all of a sweep's runs ["" = every run of fig7,
+# table6, table7 and table8, the tables' base runs once]; LRS: the learning rates, a
+# Python tuple ["(0.003,)", the SPEC section 5 calibration's; the configs' own default
+# is "(0.001, 0.003)"].
+#
+# Seeds are trained in waves (seed 0 of every run, then seed 1, ...), so a TIME_LIMIT_S
+# [no limit] that cuts the job short leaves whole seeds finished rather than every run
+# half done. Within a wave the runs are spread over the machine's GPUs (those
+# CUDA_VISIBLE_DEVICES lists, if set), the cheapest total per GPU by the train-step
+# times below, and all runs of one GPU train side by side, one process each.
 #
 # The base SSE run (N=4, k=1, softmax keys, gate "both", shared QKV) and the GLA run are
 # the same configuration in several sweeps: trained once in fig7 and copied to the
@@ -26,7 +27,7 @@
 #
 #     bash experiments/gpu_ablations.sh workdir_full 4000 0 "0 1 2" "" "(0.001, 0.003)"
 #
-# (a WORKDIR of its own: runs already finished there are skipped, whatever their STEPS)
+# (a WORKDIR of its own: the runner refuses finished runs of another length).
 set -u
 cd "$(dirname "$0")/.."
 W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-0}; LRS=${6:-"(0.003,)"}
@@ -52,8 +53,14 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 declare -A COST=([N1_k1]=5 [N2_k1]=6 [N4_k1]=6 [N4_k2]=7 [N8_k2]=10 [N8_k4]=10
                  [N16_k4]=18 [N16_k8]=18 [N32_k8]=34 [N32_k16]=34 [GLA]=3
                  [Transformer]=3 [separate]=8)
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU") || NGPU=1
-[ "$NGPU" -ge 1 ] || NGPU=1
+# The GPUs to use: those CUDA_VISIBLE_DEVICES names if it is set, else all.
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  IFS=, read -r -a DEVICES <<< "$CUDA_VISIBLE_DEVICES"
+else
+  n=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU") || n=1
+  DEVICES=($(seq 0 $((n > 0 ? n - 1 : 0))))
+fi
+NGPU=${#DEVICES[@]}
 # Cheapest-GPU-first assignment of the runs, most expensive run first.
 declare -a LOAD GROUP
 for ((g = 0; g < NGPU; g++)); do LOAD[g]=0; GROUP[g]=""; done
@@ -68,7 +75,7 @@ NLR=$(python3 -c "l = $LRS; assert isinstance(l, tuple) and l; print(len(l))" 2>
 maxn=1
 for ((g = 0; g < NGPU; g++)); do
   n=$(($(echo ${GROUP[g]} | wc -w) * NLR)); ((n > maxn)) && maxn=$n
-  echo "GPU $g: ${GROUP[g]} (${LOAD[g]} ms per step)"
+  echo "GPU ${DEVICES[g]}: ${GROUP[g]} (${LOAD[g]} ms per step)"
 done
 # Share each GPU's memory among its processes.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(min(0.5, 0.9 / $maxn), 3))")
@@ -87,7 +94,7 @@ for s in $SEEDS; do
       only=$(for r in ${GROUP[g]}; do [ "${r%%:*}" = $sweep ] && echo -n "${r#*:},"; done)
       [ -z "$only" ] && continue
       n=$(($(echo "$only" | tr ',' ' ' | wc -w) * NLR))
-      CUDA_VISIBLE_DEVICES=$g timeout "$left" python3 -m experiments.ablation \
+      CUDA_VISIBLE_DEVICES=${DEVICES[g]} timeout "$left" python3 -m experiments.ablation \
           --config=configs/$sweep.py "${C[@]}" "--config.seeds=($s,)" --only="${only%,}" \
           --workers="$n" > "$W/logs/${sweep}_gpu${g}_seed$s.log" 2>&1 &
     done
