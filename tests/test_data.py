@@ -272,8 +272,19 @@ def test_tfds_mock_random_text_through_pipeline():
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   with tfds.testing.mock_data(num_examples=20):
     src = data.make_source(ml_collections.ConfigDict(dict(kind="tfds", seq_len=8, mode="pad")))
+    texts = [r["text"] for r in tfds.data_source("tiny_shakespeare", split="train")]
     batches = list(data.make_dataset(src, batch_size=4, seed=0, shuffle=True, num_epochs=1))
   assert len(batches) == 5 and batches[0]["inputs"].shape == (4, 8)
+  # Each example is its record's text as bytes (+ EOS), cut or padded to 8 tokens; the
+  # shuffled epoch holds every one of them once.
+  def expected(text):
+    doc = list(tokenizer.encode_bytes(text)) + [tokenizer.EOS_ID]
+    pad = lambda xs: xs[:8] + [tokenizer.PAD_ID] * (8 - len(xs[:8]))
+    return tuple(pad(doc)), tuple(pad(doc[1:]))
+  want = sorted(expected(t if isinstance(t, (str, bytes)) else t.item()) for t in texts)
+  got = sorted((tuple(i.tolist()), tuple(o.tolist())) for b in batches
+               for i, o in zip(b["inputs"], b["targets"]))
+  assert got == want
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -61,25 +61,53 @@ def test_chunk_matches_scan_float64(case):
 
 
 def test_chunk_bf16_close_to_float32_scan():
+  """bf16 inputs: outputs, final state and every gradient against the fp32 scan."""
   x = random_qkvg(jax.random.PRNGKey(3), 2, 130, 2, 32, 32, jnp.bfloat16)
-  o, f = jax.jit(functools.partial(ops.gla, output_final_state=True))(*x)
+  cot = jax.random.normal(jax.random.PRNGKey(13), (2, 130, 2, 32))
+
+  def run(impl, args):
+    def loss(*a):
+      o, f = ops.gla(*a, impl=impl, output_final_state=True)
+      return jnp.sum(o.astype(jnp.float32) * cot) + jnp.sum(f), (o, f)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(*args)
+
+  (_, (o, f)), grads = run("chunk", x)
   assert o.dtype == jnp.bfloat16 and f.dtype == jnp.float32
-  x32 = [a.astype(jnp.float32) for a in x]
-  o_ref, f_ref = ops.gla(*x32, impl="scan", output_final_state=True)
+  (_, (o_ref, f_ref)), ref_grads = run("scan", [a.astype(jnp.float32) for a in x])
   assert_close(o, o_ref, BF16_TOL, "o")
   assert_close(f, f_ref, 1e-5, "final_state")
+  for name, a, r in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
+    assert a.dtype == jnp.bfloat16, name
+    assert_close(a, r, BF16_TOL, name)
+
+
+def test_explicit_scale_matches_scan_float64():
+  with x64():
+    x = random_qkvg(jax.random.PRNGKey(6), 1, 100, 2, 16, 8, jnp.float64)
+    def run(impl):
+      loss = lambda *a: jnp.sum(jnp.sin(ops.gla(*a, scale=0.3, impl=impl)[0]))
+      return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(*x)
+    (val, grads), (ref_val, ref_grads) = run("chunk"), run("scan")
+    unscaled = jnp.sum(jnp.sin(ops.gla(*x, impl="scan")[0]))
+    assert not np.isclose(float(ref_val), float(unscaled))  # the scale matters here
+    assert_close(val, ref_val, F64_TOL, "loss")
+    for name, a, r in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
+      assert_close(a, r, F64_TOL, name)
 
 
 def test_strong_decay_does_not_overflow():
   """g = -60 per step: exp(-cumsum) over a chunk would be exp(3840) = inf in float32."""
   x = random_qkvg(jax.random.PRNGKey(4), 1, 128, 1, 16, 16)
   g = jnp.full_like(x.g, -60.0).at[:, ::7].set(0.0)
-  grad = jax.jit(jax.grad(lambda q, k, v, g: ops.gla(q, k, v, g)[0].sum(), (0, 1, 2, 3)))
+  grad = lambda impl: jax.jit(jax.grad(
+      lambda q, k, v, g: ops.gla(q, k, v, g, impl=impl)[0].sum(), (0, 1, 2, 3)))
   o_ref, _ = ops.gla(x.q, x.k, x.v, g, impl="scan")
   o, _ = jax.jit(ops.gla)(x.q, x.k, x.v, g)
   assert_close(o, o_ref, 1e-5, "o")
-  for d in grad(x.q, x.k, x.v, g):
-    assert np.all(np.isfinite(np.asarray(d)))
+  for name, d, d_ref in zip(("dq", "dk", "dv", "dg"), grad("chunk")(x.q, x.k, x.v, g),
+                            grad("scan")(x.q, x.k, x.v, g)):
+    assert np.all(np.isfinite(np.asarray(d))), name
+    assert_close(d, d_ref, 1e-5, name)
 
 
 def test_decode_steps_continue_prefill():
@@ -95,6 +123,13 @@ def test_decode_steps_continue_prefill():
       o_i, state = step(*(a[:, i] for a in x), state)
       outs.append(o_i)
     assert_close(jnp.stack(outs, 1), o_full[:, t0:], F64_TOL, "decode")
+    # An explicit scale reaches the decode step too.
+    run_scaled = jax.jit(functools.partial(ops.gla, output_final_state=True, scale=0.3))
+    o_scaled, _ = run_scaled(*x)
+    _, state = run_scaled(*(a[:, :t0] for a in x))
+    o_i, _ = jax.jit(functools.partial(ops.gla_decode_step, scale=0.3))(
+        *(a[:, t0] for a in x), state)
+    assert_close(o_i, o_scaled[:, t0], F64_TOL, "decode with scale")
 
 
 @pytest.mark.parametrize("bad, match", [

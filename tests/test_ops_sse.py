@@ -33,6 +33,7 @@ class Case(NamedTuple):
   dk: int = 16
   dv: int = 8
   read_k: int = 0  # > 0: a separate read set of this size (num_readers)
+  scale: float | None = None
 
 
 CASES = {
@@ -46,6 +47,7 @@ CASES = {
     "separate_read_set": Case(2, 90, 4, 1, "both", True, True, read_k=2),
     "separate_read_set_ragged": Case(1, 120, 5, 2, "read", False, True,
                                      cu=(0, 50, 120), read_k=1),
+    "explicit_scale": Case(1, 80, 4, 2, "both", True, True, scale=0.3),
 }
 
 
@@ -74,6 +76,7 @@ def _value_and_grads(case: Case, impl: str):
     h0_arg = (h0 if case.shared else h0[0]) if case.with_h0 else None
     read = dict(read_weights=w[1], read_indices=idx[1]) if case.read_k else {}
     o, f = ops.sse(q, k, v, g, w[0], idx[0], num_partitions=case.n, gate=case.gate,
+                   scale=case.scale,
                    initial_state=h0_arg, output_final_state=True, cu_seqlens=cu,
                    impl=impl, shared=shared if case.shared else None, **read)
     f_routed, f_shared = f if case.shared else (f, jnp.zeros_like(cots[2]))
@@ -119,39 +122,54 @@ def test_unselected_partition_keeps_its_state_exactly(impl):
   np.testing.assert_array_equal(np.asarray(dh0[:, -1]), np.ones_like(h0[:, -1]))
 
 
-@pytest.mark.parametrize("impl", ("masking", "varlen"))
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_close_to_float32_scan(impl):
+  """bf16 inputs: outputs, final states and every gradient against the fp32 scan."""
   case = Case(2, 130, 4, 2, "both", True, False, h=2, dk=32, dv=32)
-  x, (w, _), (idx, _), shared, _, _ = _make(case, jnp.bfloat16)
-  fn = lambda im, *a: ops.sse(*a[:6], num_partitions=case.n, impl=im, shared=a[6],
-                              output_final_state=True)
-  o, (f, fs) = jax.jit(functools.partial(fn, impl))(*x, w, idx, shared)
+  x, (w, _), (idx, _), shared, _, (cot, _, _) = _make(case, jnp.bfloat16)
+  cot = cot.astype(jnp.float32)
+
+  def run(im, args):
+    def loss(q, k, v, g, w, shared):
+      o, (f, fs) = ops.sse(q, k, v, g, w, idx, num_partitions=case.n, impl=im,
+                           shared=shared, output_final_state=True)
+      return jnp.sum(o.astype(jnp.float32) * cot) + jnp.sum(f) + jnp.sum(fs), (o, f, fs)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4, 5), has_aux=True))(*args)
+
+  (_, (o, f, fs)), grads = run(impl, (*x, w, shared))
   assert o.dtype == jnp.bfloat16 and f.dtype == jnp.float32
   up = lambda t: jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), t)
-  o_ref, (f_ref, fs_ref) = jax.jit(functools.partial(fn, "scan"))(
-      *up(tuple(x)), up(w), idx, up(shared))
+  (_, (o_ref, f_ref, fs_ref)), ref_grads = run("scan", (*up(tuple(x)), up(w), up(shared)))
   assert_close(o, o_ref, BF16_TOL, "o")
   assert_close(f, f_ref, 1e-5, "final")
   assert_close(fs, fs_ref, 1e-5, "final shared")
+  names = ("dq", "dk", "dv", "dg", "dweights", "dq'", "dk'", "dg'")
+  leaves, ref_leaves = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)
+  assert len(leaves) == len(names) == len(ref_leaves)
+  for name, a, r in zip(names, leaves, ref_leaves):
+    assert_close(a, r, BF16_TOL, name)
 
 
-@pytest.mark.parametrize("shared, separate_read", [(False, False), (True, False),
-                                                   (True, True)])
-def test_decode_steps_continue_prefill(shared, separate_read):
-  """Prefill (varlen) then sse_decode_step token by token == one full call."""
+@pytest.mark.parametrize("shared, separate_read, gate, scale", [
+    (False, False, "both", None), (True, False, "both", None), (True, True, "both", None),
+    (True, False, "write", None), (True, True, "read", 0.3), (False, False, "none", 0.3)])
+def test_decode_steps_continue_prefill(shared, separate_read, gate, scale):
+  """Prefill (varlen) then sse_decode_step token by token == one full call, for every
+  gate placement and an explicit scale."""
   with x64():
-    case = Case(2, 90, 4, 2, "both", shared, False, read_k=2 if separate_read else 0)
+    case = Case(2, 90, 4, 2, gate, shared, False, read_k=2 if separate_read else 0)
     x, (w, rw), (idx, ridx), sh, _, _ = _make(case, jnp.float64)
     t0 = 70
     sh_arg = sh if shared else None
     rd = lambda sl: (dict(read_weights=rw[sl], read_indices=ridx[sl]) if separate_read
                      else {})
-    run = jax.jit(functools.partial(ops.sse, num_partitions=4, output_final_state=True))
+    run = jax.jit(functools.partial(ops.sse, num_partitions=4, output_final_state=True,
+                                    gate=gate, scale=scale))
     o_full, _ = run(*x, w, idx, shared=sh_arg, **rd(slice(None)))
     cut = lambda t: None if t is None else tuple(a[:, :t0] for a in t)
     _, state = run(*cut(tuple(x)), w[:, :t0], idx[:, :t0], shared=cut(sh_arg),
                    **rd(np.s_[:, :t0]))
-    step = jax.jit(ops.sse_decode_step)
+    step = jax.jit(functools.partial(ops.sse_decode_step, gate=gate, scale=scale))
     outs = []
     for i in range(t0, case.t):
       at = lambda t: None if t is None else tuple(a[:, i] for a in t)

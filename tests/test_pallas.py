@@ -93,18 +93,21 @@ class TestPallasGPU:
     _compare(grads[:len(names)], ref_grads[:len(names)], tol, names)
 
   @pytest.mark.parametrize("impl", ["pallas_varlen", "pallas_masking"])
-  @pytest.mark.parametrize("n, top_k, gate, read, dtype", [
-      (4, 1, "both", False, "float32"),
-      (3, 2, "write", True, "float32"),
-      (4, 2, "both", False, "bfloat16"),
+  @pytest.mark.parametrize("n, top_k, gate, read, dtype, routing", [
+      (4, 1, "both", False, "float32", "random"),
+      (3, 2, "write", True, "float32", "random"),
+      (4, 2, "both", False, "bfloat16", "random"),
+      (3, 3, "read", False, "float32", "random"),    # K = N
+      (1, 1, "none", False, "float32", "random"),    # one partition
+      (4, 2, "both", False, "float32", "one"),       # every token to the same partitions
   ])
-  def test_sse_matches_scan(self, impl, n, top_k, gate, read, dtype):
+  def test_sse_matches_scan(self, impl, n, top_k, gate, read, dtype, routing):
     dtype = jnp.dtype(dtype)
     b, t, h, d = 1, 90, 2, 16
     cu = jnp.asarray((0, 20, 90), jnp.int32)
     keys = jax.random.split(jax.random.PRNGKey(3), 8)
     x = random_qkvg(keys[0], b, t, h, d, d, dtype)
-    w = random_routing(keys[1], b, t, n, top_k, dtype)
+    w = random_routing(keys[1], b, t, n, top_k, dtype, routing)
     rw = random_routing(keys[2], b, t, n, 1, dtype)
     shared = tuple(random_qkvg(keys[3], b, t, h, d, d, dtype))[:2] + (0.5 * x.g,)
     h0 = (jax.random.normal(keys[4], (2, n, h, d, d)), jax.random.normal(keys[5], (2, h, d, d)))
@@ -133,17 +136,15 @@ class TestPallasGPU:
     h0 = jax.random.normal(jax.random.PRNGKey(7), (b, n, h, d, d))
     fn = jax.jit(functools.partial(ops.sse, num_partitions=n, impl=impl,
                                    output_final_state=True, chunk_size=32))
-    _, final = fn(*x, w, idx, initial_state=h0)
+    o, final = fn(*x, w, idx, initial_state=h0)
     np.testing.assert_array_equal(np.asarray(final[:, -1]), np.asarray(h0[:, -1]))
-    _, ref = ops.sse(*x, w, idx, num_partitions=n, impl="scan", initial_state=h0,
-                     output_final_state=True)
+    o_ref, ref = ops.sse(*x, w, idx, num_partitions=n, impl="scan", initial_state=h0,
+                         output_final_state=True)
+    assert_close(o, o_ref, FP32_TOL, "o")
     assert_close(final, ref, FP32_TOL, "final")
 
   @pytest.mark.parametrize("dk, dv", [(64, 128), (64, 64), (128, 128), (256, 256)])
   def test_head_dims(self, dk, dv):
-    if self.INTERPRET and (dk, dv) != (64, 128):
-      pytest.skip("interpret mode runs one head-dim pair to keep CI fast; the GPU class"
-                  " runs all of them")
     x = random_qkvg(jax.random.PRNGKey(8), 1, 128, 1, dk, dv)
     f = lambda impl: jax.jit(jax.value_and_grad(
         lambda *a: jnp.sum(jnp.sin(ops.gla(*a, impl=impl)[0])), (0, 1, 2, 3)))
@@ -158,7 +159,7 @@ class TestPallasGPU:
       dict(recompute_states=True, sweep_k=16, sweep_v=64),
       dict(block_k=32, block_v=16, sweep_k=64, sweep_v=16, num_warps=2, diag_unroll=4),
       dict(split_dqk=True, block_k=32, diag_unroll=2),
-      # The split dq/dk kernels' largest tiles, on the GPU only (slow in interpret mode).
+      # The split dq/dk kernels' largest tiles.
       dict(split_dqk=True, chunk=128, dims=(128, 128)),
       dict(split_dqk=True, block_k=128, dims=(256, 256)),
   ])
@@ -168,8 +169,6 @@ class TestPallasGPU:
     so that block_k = 32 splits the dq/dk kernel into two Dk blocks)."""
     bs = dict(bs)
     dims = bs.pop("dims", None)
-    if dims and self.INTERPRET:
-      pytest.skip("large tiles run in the GPU class only, to keep CI fast")
     c, h = bs.pop("chunk", 32), 2
     dk, dv = dims or (64, 64)
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **bs)
