@@ -232,6 +232,8 @@ DECODE_CASES = {
         BASE, short_conv=4, lora_target="routed", num_readers=2, gate_placement="write"),
     "sse_per_partition": dataclasses.replace(BASE, share_partition_params=False,
                                              short_conv=2, top_k=2),
+    "sse_gate_read": dataclasses.replace(BASE, short_conv=4, gate_placement="read", top_k=2),
+    "sse_gate_none": dataclasses.replace(BASE, gate_placement="none"),
     "gla_conv": GLAConfig(hidden=D, num_heads=H, chunk_size=16, short_conv=4),
 }
 
