@@ -7,8 +7,10 @@ Each record's `text_key` feature (str or UTF-8 bytes) is one document, tokenized
 
 mode "pack" (default): every document followed by EOS (byte 0) is concatenated, in record
   order, into one stream read into memory at construction; examples are the stream's
-  windows (windows.py): weights all ones, a window may span documents. Best for LM
-  training on many short documents; needs the split's text to fit in memory.
+  windows (windows.py): weights all ones, a window may span documents. The models take
+  no segment ids, so their recurrent and short-conv states carry across a document
+  boundary inside a window (the EOS byte marks it), as in usual packed LM training.
+  Best for LM training on many short documents; needs the split's text to fit in memory.
 mode "pad": example i is document i followed by EOS, truncated to seq_len + 1 bytes and
   padded with PAD (byte 0); weights are 1 for the targets that are real bytes (up to and
   including the EOS) and 0 on padding. Lazy (one record per example), for big splits or

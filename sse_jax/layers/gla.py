@@ -7,8 +7,10 @@
 
 (optionally with a short conv on the projections, see `LinearAttentionConfig`).
 Its parameters have the same names and shapes as the SSE mixer's minus the router, so
-an SSE layer with num_partitions = 1, top_k = 1 and no shared partition computes the
-same function (its router probability is exactly 1).
+an SSE layer with num_partitions = 1, top_k = 1, no shared partition and the same feature
+maps (SSE's default keys are softmax, this mixer's identity: set
+key_activation="identity" on the SSE side) computes the same function (its router
+probability is exactly 1).
 """
 
 from __future__ import annotations

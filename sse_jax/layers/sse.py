@@ -17,7 +17,8 @@ forward pass and the top-k indices are piecewise constant, so the router gets NO
 gradient from the language-model loss: W_e is trained only by the load-balance loss
 (through p_i). Separate write and read sets (`num_writers` / `num_readers`, the
 official code's) use the top-`num_writers` partitions for T_t in the state update and
-the top-`num_readers` for the read.
+the top-`num_readers` for the read; the load-balance loss counts f_i over the write set
+(the partitions whose states change).
 
 Shared partition S^0 (always on, weight 1, sharing v). `lora_target`:
   "shared" (paper): q' = phi_q(x W_q + LoRA_q(x)), k' = phi_k(x W_k + LoRA_k(x)); the
@@ -25,14 +26,16 @@ Shared partition S^0 (always on, weight 1, sharing v). `lora_target`:
   "routed" (official code): the routed partitions use the LoRA-adapted q, k and the
      shared partition the plain ones; the shared partition has its own decay gate.
 LoRA_*(x) = x A B with rank `lora_rank` (B zero-initialised, so the two start equal);
-rank 0 disables it. With a short conv the LoRA is added after the conv + SiLU, before
+rank 0 disables it. The official code's LoRA has rank Dv: with lora_target="routed" set
+lora_rank to the head value dim to match it (the default, 64, is the paper's). With a short conv the LoRA is added after the conv + SiLU, before
 the feature map. (The paper writes q' = q + LoRA_q(x): identical for the default
 identity query map.)
 
 Degenerate cases:
   num_partitions = 1 (top_k = 1): e_t = 1 exactly, so the routed part is one GLA state
-    with weight 1 -- without the shared partition the layer computes exactly the GLA
-    mixer with the same parameters (`sse_jax.layers.GLA`); the router gets no
+    with weight 1 -- without the shared partition and with the GLA mixer's feature
+    maps (key_activation="identity") the layer computes exactly the GLA mixer with the
+    same parameters (`sse_jax.layers.GLA`); the router gets no
     gradient and the load-balance loss is the constant 1.
   top_k = num_partitions: every partition decays and is written every step; with
     gate "none" the routed output is N times the GLA output of the same q, k, v, g.
@@ -74,6 +77,8 @@ LORA_TARGETS = ("shared", "routed")
 class SSEConfig(LinearAttentionConfig):
   """SSE mixer config: the `LinearAttentionConfig` fields plus
 
+  impl: one of `ops.SSE_IMPLS` ("chunk" is the dense GLA form, not an SSE impl: the
+    masking and varlen impls run it over the partitions).
   num_partitions: N routed partitions. top_k: k selected per token (1 <= k <= N).
   num_writers / num_readers: separate write / read set sizes; None = top_k.
   gate_placement: "both" | "write" | "read" | "none".
