@@ -20,7 +20,6 @@ from pallas_kernels import chunk_gla as pallas_chunk_gla
 from sse_jax import ops
 from tests.op_testing import assert_close, random_qkvg, random_routing, x64
 
-FP32_TOL = 1e-4   # fp32 kernels (IEEE dots) against the float64 reference
 BF16_TOL = 1e-2   # bf16 matmul operands, fp32 accumulation
 
 
@@ -57,6 +56,10 @@ def _compare(out, ref, tol, names):
 
 class TestPallasGPU:
   INTERPRET = False
+  # fp32 kernels (IEEE dots) against the references. Interpret mode runs the kernels'
+  # arithmetic in XLA on the CPU (errors measured 3e-7 to 8e-7); on the GPU the looser
+  # bound of the first GPU runs stands until fp32 errors are measured there.
+  fp32_tol = 1e-4
 
   @pytest.fixture(autouse=True)
   def _mode(self):
@@ -87,7 +90,7 @@ class TestPallasGPU:
       (_, ref), ref_grads = _gla_value_and_grads("scan", cu, chunk, with_h0)(
           *_up(tuple(x), jnp.float64), _up(h0, jnp.float64), _up(cot, jnp.float64))
     assert out[0].dtype == dtype
-    tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
+    tol = self.fp32_tol if dtype == jnp.float32 else BF16_TOL
     _compare(out, ref, tol, ("o", "final"))
     names = ("dq", "dk", "dv", "dg") + (("dh0",) if with_h0 else ())
     _compare(grads[:len(names)], ref_grads[:len(names)], tol, names)
@@ -118,7 +121,7 @@ class TestPallasGPU:
     with x64():
       (_, ref), ref_grads = _sse_value_and_grads("scan", n, cu, 32, gate, read)(
           *_up(args, jnp.float64))
-    tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
+    tol = self.fp32_tol if dtype == jnp.float32 else BF16_TOL
     _compare(out, ref, tol, ("o", "final", "final shared"))
     names = ["dq", "dk", "dv", "dg", "dweights", "dread_weights", "dq'", "dk'", "dg'",
              "dh0", "dh0'"]
@@ -140,8 +143,8 @@ class TestPallasGPU:
     np.testing.assert_array_equal(np.asarray(final[:, -1]), np.asarray(h0[:, -1]))
     o_ref, ref = ops.sse(*x, w, idx, num_partitions=n, impl="scan", initial_state=h0,
                          output_final_state=True)
-    assert_close(o, o_ref, FP32_TOL, "o")
-    assert_close(final, ref, FP32_TOL, "final")
+    assert_close(o, o_ref, self.fp32_tol, "o")
+    assert_close(final, ref, self.fp32_tol, "final")
 
   @pytest.mark.parametrize("dk, dv", [(64, 128), (64, 64), (128, 128), (256, 256)])
   def test_head_dims(self, dk, dv):
@@ -151,8 +154,8 @@ class TestPallasGPU:
     val, grads = f("pallas_chunk")(*x)
     with jax.default_matmul_precision("highest"):  # XLA's GPU default would be TF32
       ref_val, ref_grads = f("chunk")(*x)
-    assert_close(val, ref_val, FP32_TOL, "loss")
-    _compare(grads, ref_grads, FP32_TOL, ("dq", "dk", "dv", "dg"))
+    assert_close(val, ref_val, self.fp32_tol, "loss")
+    _compare(grads, ref_grads, self.fp32_tol, ("dq", "dk", "dv", "dg"))
 
 
   @pytest.mark.parametrize("bs", [
@@ -191,12 +194,13 @@ class TestPallasGPU:
     with jax.default_matmul_precision("highest"):  # XLA's GPU default would be TF32
       (_, ref), ref_grads = run(pallas_chunk_gla.reference)
     assert np.isfinite(np.asarray(grads[3])).all()
-    _compare(out, ref, FP32_TOL, ("o", "final"))
-    _compare(grads, ref_grads, FP32_TOL, ("dq", "dk", "dv", "dg", "dh0"))
+    _compare(out, ref, self.fp32_tol, ("o", "final"))
+    _compare(grads, ref_grads, self.fp32_tol, ("dq", "dk", "dv", "dg", "dh0"))
 
 
 class TestPallasInterpret(TestPallasGPU):
   INTERPRET = True
+  fp32_tol = 1e-5
 
 
 def test_block_sizes_validate():
