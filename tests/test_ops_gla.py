@@ -25,12 +25,12 @@ CASES = [
 ]
 
 
-def _loss_fn(impl, cu, with_h0, cot_o, cot_f):
+def _loss_fn(impl, cu, with_h0, cot_o, cot_f, scale=None):
   """A scalar of outputs and final state, so that jax.grad checks every gradient."""
 
   def loss(q, k, v, g, h0):
     o, f = ops.gla(q, k, v, g, initial_state=h0 if with_h0 else None,
-                   output_final_state=True, cu_seqlens=cu, impl=impl)
+                   output_final_state=True, cu_seqlens=cu, impl=impl, scale=scale)
     return jnp.sum(o * cot_o) + jnp.sum(f * cot_f), (o, f)
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
@@ -63,17 +63,12 @@ def test_chunk_matches_scan_float64(case):
 def test_chunk_bf16_close_to_float32_scan():
   """bf16 inputs: outputs, final state and every gradient against the fp32 scan."""
   x = random_qkvg(jax.random.PRNGKey(3), 2, 130, 2, 32, 32, jnp.bfloat16)
-  cot = jax.random.normal(jax.random.PRNGKey(13), (2, 130, 2, 32))
-
-  def run(impl, args):
-    def loss(*a):
-      o, f = ops.gla(*a, impl=impl, output_final_state=True)
-      return jnp.sum(o.astype(jnp.float32) * cot) + jnp.sum(f), (o, f)
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(*args)
-
-  (_, (o, f)), grads = run("chunk", x)
+  cot_o = jax.random.normal(jax.random.PRNGKey(13), (2, 130, 2, 32))
+  cot_f, h0 = jnp.ones((2, 2, 32, 32)), jnp.zeros((2, 2, 32, 32))
+  (_, (o, f)), grads = _loss_fn("chunk", None, False, cot_o, cot_f)(*x, h0)
   assert o.dtype == jnp.bfloat16 and f.dtype == jnp.float32
-  (_, (o_ref, f_ref)), ref_grads = run("scan", [a.astype(jnp.float32) for a in x])
+  (_, (o_ref, f_ref)), ref_grads = _loss_fn("scan", None, False, cot_o, cot_f)(
+      *(a.astype(jnp.float32) for a in x), h0)
   assert_close(o, o_ref, BF16_TOL, "o")
   assert_close(f, f_ref, 1e-5, "final_state")
   for name, a, r in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
@@ -84,13 +79,14 @@ def test_chunk_bf16_close_to_float32_scan():
 def test_explicit_scale_matches_scan_float64():
   with x64():
     x = random_qkvg(jax.random.PRNGKey(6), 1, 100, 2, 16, 8, jnp.float64)
-    def run(impl):
-      loss = lambda *a: jnp.sum(jnp.sin(ops.gla(*a, scale=0.3, impl=impl)[0]))
-      return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(*x)
-    (val, grads), (ref_val, ref_grads) = run("chunk"), run("scan")
-    unscaled = jnp.sum(jnp.sin(ops.gla(*x, impl="scan")[0]))
-    assert not np.isclose(float(ref_val), float(unscaled))  # the scale matters here
-    assert_close(val, ref_val, F64_TOL, "loss")
+    cot_o = jax.random.normal(jax.random.PRNGKey(7), (1, 100, 2, 8), jnp.float64)
+    cot_f, h0 = jnp.ones((1, 2, 16, 8)), jnp.zeros((1, 2, 16, 8))
+    run = lambda impl, scale=0.3: _loss_fn(impl, None, False, cot_o, cot_f, scale)(*x, h0)
+    (val, (o, f)), grads = run("chunk")
+    (ref_val, (o_ref, f_ref)), ref_grads = run("scan")
+    assert not np.isclose(float(ref_val), float(run("scan", None)[0][0]))  # scale matters
+    assert_close(o, o_ref, F64_TOL, "o")
+    assert_close(f, f_ref, F64_TOL, "final_state")
     for name, a, r in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
       assert_close(a, r, F64_TOL, name)
 

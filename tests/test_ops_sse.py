@@ -126,24 +126,18 @@ def test_unselected_partition_keeps_its_state_exactly(impl):
 def test_bf16_close_to_float32_scan(impl):
   """bf16 inputs: outputs, final states and every gradient against the fp32 scan."""
   case = Case(2, 130, 4, 2, "both", True, False, h=2, dk=32, dv=32)
-  x, (w, _), (idx, _), shared, _, (cot, _, _) = _make(case, jnp.bfloat16)
-  cot = cot.astype(jnp.float32)
-
-  def run(im, args):
-    def loss(q, k, v, g, w, shared):
-      o, (f, fs) = ops.sse(q, k, v, g, w, idx, num_partitions=case.n, impl=im,
-                           shared=shared, output_final_state=True)
-      return jnp.sum(o.astype(jnp.float32) * cot) + jnp.sum(f) + jnp.sum(fs), (o, f, fs)
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4, 5), has_aux=True))(*args)
-
-  (_, (o, f, fs)), grads = run(impl, (*x, w, shared))
+  x, w, idx, shared, h0, cots = _make(case, jnp.bfloat16)
+  (_, (o, f, fs)), grads = _value_and_grads(case, impl)(*x, w, shared, h0, idx, cots)
   assert o.dtype == jnp.bfloat16 and f.dtype == jnp.float32
   up = lambda t: jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), t)
-  (_, (o_ref, f_ref, fs_ref)), ref_grads = run("scan", (*up(tuple(x)), up(w), up(shared)))
+  (_, (o_ref, f_ref, fs_ref)), ref_grads = _value_and_grads(case, "scan")(
+      *up(tuple(x)), up(w), up(shared), up(h0), idx, up(cots))
   assert_close(o, o_ref, BF16_TOL, "o")
   assert_close(f, f_ref, 1e-5, "final")
   assert_close(fs, fs_ref, 1e-5, "final shared")
-  names = ("dq", "dk", "dv", "dg", "dweights", "dq'", "dk'", "dg'")
+  # Without a separate read set or an initial state, dread_weights and dh0 are zero.
+  names = ("dq", "dk", "dv", "dg", "dweights", "dread_weights", "dq'", "dk'", "dg'",
+           "dh0", "dh0'")
   leaves, ref_leaves = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)
   assert len(leaves) == len(names) == len(ref_leaves)
   for name, a, r in zip(names, leaves, ref_leaves):
