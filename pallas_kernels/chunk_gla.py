@@ -524,6 +524,15 @@ def _output_scores(do, v):
   return jnp.where(jnp.tril(jnp.ones((c, c), bool)), d_a, 0.0)
 
 
+def _sub_block_specs(c, bk):
+  """For grids (chunk, head, Dk block, sub-block): the specs of a whole [C, BK] key-side
+  block, of the sub-block's [L, BK] rows of it, and of the chunk's [C, C] dA."""
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk, i: (n, 0, hh, kk))
+  sub_k = pl.BlockSpec((None, SUB, None, bk), lambda n, hh, kk, i: (n, i, hh, kk))
+  d_a = pl.BlockSpec((None, None, c, c), lambda n, hh, kk, i: (n, hh, 0, 0))
+  return k_blk, sub_k, d_a
+
+
 def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
   """dq, dk, db [NC, C, H, Dk] fp32 (see _dqk_kernel), dGamma included in db."""
   if bs.split_dqk:
@@ -532,15 +541,13 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
   dv = v.shape[-1]
   bk, _ = bs.tiles(dk, dv)
   ns = c // SUB
-  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk, i: (n, 0, hh, kk))
-  sub_k = pl.BlockSpec((None, SUB, None, bk), lambda n, hh, kk, i: (n, i, hh, kk))
+  k_blk, sub_k, d_a = _sub_block_specs(c, bk)
   sub_v = pl.BlockSpec((None, SUB, None, dv), lambda n, hh, kk, i: (n, i, hh, 0))
   state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk, i: (n, hh, kk, 0))
   kernel = functools.partial(_dqk_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll)
   dq, dk_, db, d_gamma = pl.pallas_call(
       kernel, grid=(nc, h, dk // bk, ns),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk, sub_v, sub_v, state, state,
-                pl.BlockSpec((None, None, c, c), lambda n, hh, kk, i: (n, hh, 0, 0))],
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, sub_v, sub_v, state, state, d_a],
       out_specs=[sub_k, sub_k, sub_k,
                  pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk, i: (n, hh, i, kk))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
@@ -574,15 +581,12 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, interpret):
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_inter",
   )(valid, k, b, v, do, h_start, dh)
 
-  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk, i: (n, 0, hh, kk))
-  sub_k = pl.BlockSpec((None, SUB, None, bk), lambda n, hh, kk, i: (n, i, hh, kk))
+  k_blk, sub_k, d_a = _sub_block_specs(c, bk)
   kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
                              unroll=bs.diag_unroll)
   dq, dk_, db = pl.pallas_call(
       kernel, grid=(nc, h, dk // bk, ns),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk,
-                pl.BlockSpec((None, None, c, c), lambda n, hh, kk, i: (n, hh, 0, 0)),
-                sub_k, sub_k],
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, d_a, sub_k, sub_k],
       out_specs=[sub_k, sub_k, sub_k],
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k.shape, jnp.float32),
