@@ -234,6 +234,15 @@ def _per_seed(row, sep: str) -> str:
   return sep.join(f"s{seed} {v:.3f}" for seed, v in zip(row["seeds_used"], row["values"]))
 
 
+def _seed_dots(ax, rows, x_of, color, shift=1.0):
+  """Every seed's value of each row with several seeds, as a dot at x_of(row) * shift
+  (beside the mean: the spread can be bimodal)."""
+  pts = [(x_of(r) * shift, v) for r in rows if r["seeds"] > 1 for v in r["values"]]
+  if pts:
+    ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, alpha=0.6, color=color,
+               zorder=3)
+
+
 def _curve(ax, history, name, label, color=None):
   steps = [h["step"] for h in history if name in h]
   ax.plot(steps, [h[name] for h in history if name in h], label=label, linewidth=1,
@@ -257,12 +266,9 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
         line = ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts],
                            fmt=style, capsize=3, label=f"k/N = {ratio:.0%}")
         own = (ratio, "all") if ratio == 0.25 else (ratio,)  # the shared start once
-        seeds = [(r["labels"]["N"], v) for r in rows if r["seeds"] > 1
-                 and r["labels"].get("ratio") in own for v in r["values"]]
-        if seeds:  # every seed, a little to the side of the mean: the spread is bimodal
-          shift = 0.94 if ratio == 0.25 else 1.06
-          ax.scatter([p[0] * shift for p in seeds], [p[1] for p in seeds], s=12, alpha=0.6,
-                     color=line[0].get_color(), zorder=2)
+        _seed_dots(ax, [r for r in rows if r["labels"].get("ratio") in own],
+                   lambda r: r["labels"]["N"], line[0].get_color(),
+                   shift=0.94 if ratio == 0.25 else 1.06)
         late = [(r["labels"]["N"], r["metric"]) for r in rows if not r["finished"]
                 and r["labels"].get("ratio") in (ratio, "all")]
         if late:  # unfinished runs: hollow markers
@@ -284,11 +290,7 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
           line = ax.errorbar([r["labels"]["width"] for r in mine], [r["metric"] for r in mine],
                              [r["metric_std"] for r in mine], fmt=style, marker=marker,
                              capsize=3, label=f"{variant}, {gap} gap")
-          seeds = [(r["labels"]["width"], v) for r in mine if r["seeds"] > 1
-                   for v in r["values"]]
-          if seeds:
-            ax.scatter([p[0] for p in seeds], [p[1] for p in seeds], s=12, alpha=0.6,
-                       color=line[0].get_color(), zorder=2)
+          _seed_dots(ax, mine, lambda r: r["labels"]["width"], line[0].get_color())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("model width")
   else:  # bars
@@ -297,9 +299,8 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
            yerr=[r["metric_std"] for r in rows], capsize=3,
            color=["tab:blue" if r["finished"] else "white" for r in rows],
            edgecolor="tab:blue")
-    for i, r in enumerate(rows):
-      if r["seeds"] > 1:  # every seed as a dot on its bar
-        ax.scatter([i] * r["seeds"], r["values"], s=12, color="black", alpha=0.6, zorder=3)
+    position = {id(r): i for i, r in enumerate(rows)}
+    _seed_dots(ax, rows, lambda r: position[id(r)], "black")
     names = [n if r["finished"] else f"{n}\n(unfinished, step {r['step']})"
              for n, r in zip(names, rows)]
     ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
