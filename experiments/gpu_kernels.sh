@@ -10,7 +10,8 @@
 # 1. the Pallas GPU test class (outputs, states, every gradient vs the scan) and the
 #    CUDA lowering checks;
 # 2. `experiments.profile_kernels` at L = 32K: each kernel alone, then BlockSizes
-#    variants of the whole core (the per-kernel table of docs/kernels.md);
+#    variants of the whole core, each compared with the defaults' outputs and
+#    gradients (the per-kernel table of docs/kernels.md);
 # 3. `experiments.bench_ops` over the Fig. 6 grid with bf16 errors at L = 2048, and fla
 #    side by side, stopped after FLA_TIMEOUT_S seconds [400] (its rows so far kept).
 # Everything lands in OUT [results/bench_ops], with the logs test_pallas.log,
@@ -21,10 +22,12 @@ OUT=${1:-results/bench_ops}; FLA_TIMEOUT=${2:-400}; STEPS=",${3:-tests,profile,b
 mkdir -p "$OUT"
 FAILED=""
 if [[ $STEPS == *,tests,* ]]; then
-python3 -m pytest -q -p no:cacheprovider tests/test_pallas.py::TestPallasGPU \
+python3 -m pytest -q -rfE -p no:cacheprovider tests/test_pallas.py::TestPallasGPU \
     tests/test_pallas.py::test_kernels_lower_for_cuda > "$OUT/test_pallas.log" 2>&1 \
     || FAILED="$FAILED tests"
 echo "tests: $(tail -n 1 "$OUT/test_pallas.log")"
+# The failing cases by name, and how far off they were, where the log may not be read.
+grep -E "^(FAILED|ERROR) " "$OUT/test_pallas.log" | cut -c1-400
 fi
 if [[ $STEPS == *,profile,* ]]; then
 python3 -m experiments.profile_kernels --out="$OUT/profile_kernels.json" \

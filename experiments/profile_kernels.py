@@ -9,8 +9,11 @@ as two segments of whole chunks). For the default `BlockSizes` it times every ke
 separately under `jit` (scores, local, sweep, outputs, dv, dq/dk with its dA matmul),
 then the whole core (`pallas_kernels.chunk_gla.chunk_gla`, forward and forward +
 backward); each `--variants` entry (comma-separated BlockSizes fields) times the whole
-core only. Median of `--reps` runs after warm-up, each ended by `block_until_ready`.
-The core excludes what `sse_jax.ops.gla` does around it (segment packing, casts).
+core only, and compares its output and gradients (o, dq, dk, dv, dg) with the
+defaults': max |variant - defaults| / max |defaults| per array, so a variant that is
+fast but wrong on this device shows it (same inputs; bf16 rounding differences are
+~1e-3). Median of `--reps` runs after warm-up, each ended by `block_until_ready`. The
+core excludes what `sse_jax.ops.gla` does around it (segment packing, casts).
 
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
 times mean nothing. Writes a JSON list of rows to `--out` when given.
@@ -108,6 +111,31 @@ def whole_core(x, bs, interpret, reps):
                                 reps=reps))
 
 
+def core_outputs(x, bs, interpret) -> dict[str, jax.Array]:
+  """The core's output and its gradients for cotangent do, in float32."""
+  args = tuple(x[n] for n in ("q", "k", "v", "g"))
+
+  def run(q, k, v, g):
+    def core(q, k, v, g):
+      return kernels.chunk_gla(q[None], k[None], v[None], g[None], x["h0"], x["start"],
+                               x["count"], block_sizes=bs, interpret=interpret)[0][0]
+    o, vjp = jax.vjp(core, q, k, v, g)
+    return (o, *vjp(x["do"].astype(o.dtype)))
+
+  names = ("o", "dq", "dk", "dv", "dg")
+  return {n: a.astype(jnp.float32) for n, a in zip(names, jax.jit(run)(*args))}
+
+
+def max_rel_diff(got: dict[str, jax.Array], want: dict[str, jax.Array]) -> dict[str, float]:
+  """max |got - want| / max |want| per array (0 where want is all zero and got equals it)."""
+  out = {}
+  for name, w in want.items():
+    scale = float(jnp.max(jnp.abs(w)))
+    err = float(jnp.max(jnp.abs(got[name] - w)))
+    out[name] = err / scale if scale > 0 else err
+  return out
+
+
 def parse_variant(text: str) -> dict[str, int | bool]:
   fields = {}
   for item in filter(None, (t.strip() for t in text.split(","))):
@@ -125,13 +153,22 @@ def main(argv):
         f"H={FLAGS.heads}, D={FLAGS.dim}, C={FLAGS.chunk}", flush=True)
   rows = []
   configs = [{}] + [parse_variant(v) for v in FLAGS.variants]
+  reference = None
   for i, fields in enumerate(configs):
     bs = kernels.BlockSizes(chunk=FLAGS.chunk, **fields)
     times = per_kernel(x, bs, FLAGS.interpret, FLAGS.reps) if i == 0 else {}
     times.update(whole_core(x, bs, FLAGS.interpret, FLAGS.reps))
-    rows.append(dict(length=FLAGS.length, block_sizes=fields, ms=times))
-    print(f"{fields or 'defaults'}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()),
-          flush=True)
+    row = dict(length=FLAGS.length, block_sizes=fields, ms=times)
+    line = f"{fields or 'defaults'}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())
+    outputs = core_outputs(x, bs, FLAGS.interpret)
+    if reference is None:
+      reference = outputs
+    else:
+      row["max_rel_diff_vs_defaults"] = diff = max_rel_diff(outputs, reference)
+      line += "; vs defaults: " + ", ".join(f"{k} {v:.1e}" for k, v in diff.items())
+    del outputs
+    rows.append(row)
+    print(line, flush=True)
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(rows, indent=1))
 

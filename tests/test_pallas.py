@@ -272,6 +272,18 @@ def test_profile_kernels_runs_every_kernel():
     times = profile_kernels.per_kernel(x, bs, True, reps=1)
   assert set(times) == {"scores", "local", "sweep", "outputs", "dv", "dqk", "dqk_split"}
   assert all(t > 0 for t in times.values())
+  # Its check of a variant against the defaults: the split dq/dk agrees to bf16
+  # rounding, and a wrong array is reported as such.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    fused = profile_kernels.core_outputs(x, bs, True)
+    split = profile_kernels.core_outputs(
+        x, pallas_chunk_gla.BlockSizes(chunk=32, split_dqk=True), True)
+  diff = profile_kernels.max_rel_diff(split, fused)
+  assert set(diff) == {"o", "dq", "dk", "dv", "dg"}
+  assert max(diff.values()) < 1e-3, diff
+  wrong = dict(split, dk=-split["dk"])
+  assert profile_kernels.max_rel_diff(wrong, fused)["dk"] > 1.0
   assert profile_kernels.parse_variant("num_warps=8, recompute_states=true") == dict(
       num_warps=8, recompute_states=True)
   with pytest.raises(ValueError, match="field=value"):
