@@ -4,8 +4,9 @@ r"""Overlays the learning curves of several training runs (repeats, seeds, varia
         --runs="N16_k4 (1st)=workdir_a/fig7_gpu/N16_k4/lr0.003_s0,N16_k4 (2nd)=..."
 
 Each run directory is one `sse_jax.train` workdir (its metrics.jsonl is read, finished
-or not). Writes <out>/compare.json (the curves) and <out>/compare.png, one panel per
-metric.
+or not). Writes <out>/compare.json (the curves), <out>/compare.md (each run's last
+evaluation: step and the --metrics) and <out>/compare.png, one panel per metric, with
+the runs --draw names (all by default).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("runs", [], "label=run_dir pairs.")
 flags.DEFINE_list("metrics", ["eval_accuracy", "eval_loss"], "History metrics to draw.")
 flags.DEFINE_string("out", None, "Output directory.")
-flags.DEFINE_string("title", "", "Figure title.")
+flags.DEFINE_string("title", "", "Figure and table title.")
+flags.DEFINE_list("draw", [], "Labels of the runs to draw (default: all).")
 
 
 def read_curves(run_dir: pathlib.Path) -> list[dict]:
@@ -30,6 +32,22 @@ def read_curves(run_dir: pathlib.Path) -> list[dict]:
   if not records:
     raise app.UsageError(f"{run_dir}: no metrics.jsonl records")
   return [{k: v for k, v in h.items() if k != "router"} for h in logs.history(records)]
+
+
+def last_evaluations(runs: dict[str, list[dict]], metrics: list[str], title: str) -> str:
+  """Markdown table: per run, the step and the metrics of its last evaluation."""
+  lines = [f"# {title}\n" if title else "",
+           "| run | step | " + " | ".join(m.replace("_", " ") for m in metrics) + " |",
+           "|---|---|" + "---|" * len(metrics)]
+  for label, curve in runs.items():
+    last = [h for h in curve if any(h.get(m) is not None for m in metrics)][-1:]
+    if not last:
+      lines.append(f"| {label} | - |" + " - |" * len(metrics))
+      continue
+    h = last[0]
+    cells = [f"{h[m]:.4f}" if h.get(m) is not None else "-" for m in metrics]
+    lines.append(f"| {label} | {h['step']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def main(argv):
@@ -44,14 +62,19 @@ def main(argv):
     runs[label] = read_curves(pathlib.Path(path))
   out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
+  unknown = [label for label in FLAGS.draw if label not in runs]
+  if unknown:
+    raise app.UsageError(f"--draw: no runs labelled {unknown}; labels: {list(runs)}")
   (out / "compare.json").write_text(json.dumps(dict(title=FLAGS.title, runs=runs), indent=1))
+  (out / "compare.md").write_text(last_evaluations(runs, FLAGS.metrics, FLAGS.title))
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, len(FLAGS.metrics), figsize=(6 * len(FLAGS.metrics), 4.2))
   axes = axes if len(FLAGS.metrics) > 1 else [axes]
+  drawn = {label: runs[label] for label in FLAGS.draw} if FLAGS.draw else runs
   for ax, name in zip(axes, FLAGS.metrics):
-    for label, curve in runs.items():
+    for label, curve in drawn.items():
       pts = [(h["step"], h[name]) for h in curve if h.get(name) is not None]
       ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", markersize=3, label=label)
     ax.set_xlabel("step")

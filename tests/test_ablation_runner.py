@@ -81,13 +81,21 @@ def test_compare_runs_overlays_curves(tmp_path):
     runs.append(f"{name} run={run}")
   out = tmp_path / "out"
   proc = subprocess.run([sys.executable, "-m", "experiments.compare_runs", f"--out={out}",
-                         "--runs=" + ",".join(runs)], capture_output=True, text=True,
-                        timeout=300)
+                         "--runs=" + ",".join(runs), "--draw=b run"], capture_output=True,
+                        text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   curves = json.loads((out / "compare.json").read_text())["runs"]
   assert [h["eval_accuracy"] for h in curves["b run"]] == [0.375, 0.75]
   assert [h["step"] for h in curves["a run"]] == [10, 20]
   assert (out / "compare.png").stat().st_size > 0
+  # The table holds every run's last evaluation, drawn or not.
+  table = (out / "compare.md").read_text()
+  assert "| a run | 20 | 0.2500 | 1.0000 |" in table
+  assert "| b run | 20 | 0.7500 | 1.0000 |" in table
+  bad = subprocess.run([sys.executable, "-m", "experiments.compare_runs", f"--out={out}",
+                        "--runs=" + ",".join(runs), "--draw=c run"], capture_output=True,
+                       text=True, timeout=300)
+  assert bad.returncode != 0 and "no runs labelled ['c run']" in bad.stderr
 
 
 def test_several_seeds_report_mean_spread_and_every_seed(tmp_path):
