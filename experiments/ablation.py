@@ -7,7 +7,9 @@ Every run of the sweep (config.runs x config.lrs x config.seeds) trains with
 `sse_jax.train.train_and_evaluate` into <workdir>/<sweep>/<run>/lr<lr>_s<seed>/; a run
 whose summary.json exists is skipped, so an interrupted sweep resumes where it stopped
 (and an interrupted run resumes from its last checkpoint). With --workers=W, W runs
-train at once in child processes (logs in each run's train.log). At the end the sweep
+train at once in child processes (logs in each run's train.log). With --stack, the
+learning rates and seeds of one run train as one vmapped program (one process, or one
+child, per run; each still gets its own run directory). At the end the sweep
 directory receives results.json, results.csv, results.md and <sweep>.png; with
 --results=DIR they are copied there too.
 
@@ -49,7 +51,11 @@ flags.DEFINE_bool("report_only", False, "Only rebuild the report from finished r
 flags.DEFINE_integer("workers", 1, "Runs trained at once, each in its own process: a small"
                      " model leaves a GPU mostly idle. On GPU each process may take"
                      " 0.9 / workers of the device memory.")
-flags.DEFINE_string("job", "", "(internal) train the one run <run>/lr<lr>_s<seed> and exit.")
+flags.DEFINE_bool("stack", False, "Train each run's learning rates and seeds together as"
+                  " one vmapped program (sse_jax.train.train_stacked), one process per"
+                  " run: small models cost about one run's kernel launches for all.")
+flags.DEFINE_list("job", [], "(internal) train these runs <run>/lr<lr>_s<seed> (several:"
+                  " stacked) and exit.")
 
 
 @dataclasses.dataclass
@@ -332,13 +338,30 @@ def _job_id(job: Job) -> str:
   return f"{job.run}/{job.dir.name}"
 
 
-def train_serially(todo: list[Job]) -> None:
+def groups_of(todo: list[Job], stack: bool) -> list[list[Job]]:
+  """The jobs trained together: each alone, or with --stack those of one run."""
+  if not stack:
+    return [[job] for job in todo]
+  by_run: dict[str, list[Job]] = {}
+  for job in todo:
+    by_run.setdefault(job.run, []).append(job)
+  return list(by_run.values())
+
+
+def train_group(group: list[Job]) -> None:
+  if len(group) == 1:
+    train_lib.train_and_evaluate(group[0].config, str(group[0].dir))
+  else:
+    train_lib.train_stacked([j.config for j in group], [str(j.dir) for j in group])
+
+
+def train_serially(groups: list[list[Job]]) -> None:
   t0 = time.time()
-  for i, job in enumerate(todo, 1):
-    print(f"[{i}/{len(todo)}] {job.run} lr={job.lr:g} seed={job.seed} "
-          f"({label_text(job.labels)}) -> {job.dir}  [{time.time() - t0:.0f}s elapsed]",
-          flush=True)
-    train_lib.train_and_evaluate(job.config, str(job.dir))
+  for i, group in enumerate(groups, 1):
+    what = ", ".join(f"lr={j.lr:g} seed={j.seed}" for j in group)
+    print(f"[{i}/{len(groups)}] {group[0].run} {what} ({label_text(group[0].labels)}) -> "
+          f"{group[0].dir.parent}  [{time.time() - t0:.0f}s elapsed]", flush=True)
+    train_group(group)
 
 
 _BOOL_FLAGS = ("--report_only",)  # flags that never take a separate value
@@ -360,40 +383,45 @@ def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
   return out
 
 
-def train_in_parallel(todo: list[Job], workers: int) -> list[str]:
-  """Trains the jobs in up to `workers` child processes; returns the failed job ids.
+def train_in_parallel(groups: list[list[Job]], workers: int) -> list[str]:
+  """Trains the groups (see `groups_of`) in up to `workers` child processes; returns the
+  failed job ids.
 
   A child re-runs this program with the same flags plus --job; its output goes to
-  <run dir>/train.log. Killing the parent (Ctrl-C, SIGTERM) ends the children too.
+  train.log in the run directory of the group's first job. Killing the parent (Ctrl-C,
+  SIGTERM) ends the children too.
   """
   argv = _without(sys.argv[1:], ("--workers", "--only", "--results", "--report_only",
                                  "--job"))
   failed, ended, t0 = [], [], time.time()
+  total = sum(map(len, groups))
 
-  def log_path(job: Job) -> pathlib.Path:
-    job.dir.mkdir(parents=True, exist_ok=True)
-    return job.dir / "train.log"
+  def log_path(group: list[Job]) -> pathlib.Path:
+    for job in group:
+      job.dir.mkdir(parents=True, exist_ok=True)
+    return group[0].dir / "train.log"
 
-  def on_start(job: Job) -> None:
-    print(f"[{time.time() - t0:5.0f}s] start  {_job_id(job)} ({label_text(job.labels)})",
-          flush=True)
+  def on_start(group: list[Job]) -> None:
+    print(f"[{time.time() - t0:5.0f}s] start  {', '.join(map(_job_id, group))} "
+          f"({label_text(group[0].labels)})", flush=True)
 
-  def on_exit(job: Job, returncode: int, seconds: float) -> None:
-    ended.append(_job_id(job))
-    summary = read_summary(job)
-    if returncode == 0 and summary is not None:
-      ev = summary.get("eval") or {}
-      result = ", ".join(f"{k}={ev[k]:.4f}" for k in ("loss", "accuracy") if k in ev)
-    else:
-      failed.append(_job_id(job))
-      tail = (job.dir / "train.log").read_text(errors="replace").splitlines()[-5:]
-      result = f"FAILED (exit {returncode}): " + " | ".join(tail)
-    print(f"[{time.time() - t0:5.0f}s] {len(ended)}/{len(todo)} done {_job_id(job)} in "
-          f"{seconds:.0f}s: {result}", flush=True)
+  def on_exit(group: list[Job], returncode: int, seconds: float) -> None:
+    for job in group:
+      ended.append(_job_id(job))
+      summary = read_summary(job)
+      if returncode == 0 and summary is not None:
+        ev = summary.get("eval") or {}
+        result = ", ".join(f"{k}={ev[k]:.4f}" for k in ("loss", "accuracy") if k in ev)
+      else:
+        failed.append(_job_id(job))
+        tail = log_path(group).read_text(errors="replace").splitlines()[-5:]
+        result = f"FAILED (exit {returncode}): " + " | ".join(tail)
+      print(f"[{time.time() - t0:5.0f}s] {len(ended)}/{total} done {_job_id(job)} in "
+            f"{seconds:.0f}s: {result}", flush=True)
 
-  pool.run(todo, workers,
-           lambda job: [sys.executable, "-m", "experiments.ablation", *argv,
-                        f"--job={_job_id(job)}"],
+  pool.run(groups, workers,
+           lambda group: [sys.executable, "-m", "experiments.ablation", *argv,
+                          "--job=" + ",".join(map(_job_id, group))],
            log_path, on_exit, on_start)
   return failed
 
@@ -410,11 +438,12 @@ def main(argv):
   root.mkdir(parents=True, exist_ok=True)
   jobs = expand(cfg, root)
   if FLAGS.job:
-    match = [j for j in jobs if _job_id(j) == FLAGS.job]
-    if not match:
-      raise app.UsageError(f"--job={FLAGS.job!r}: no such run in {cfg.name}; runs: "
-                           + ", ".join(_job_id(j) for j in jobs))
-    train_lib.train_and_evaluate(match[0].config, str(match[0].dir))
+    by_id = {_job_id(j): j for j in jobs}
+    unknown = [i for i in FLAGS.job if i not in by_id]
+    if unknown:
+      raise app.UsageError(f"--job: no such run {unknown} in {cfg.name}; runs: "
+                           + ", ".join(by_id))
+    train_group([by_id[i] for i in FLAGS.job])
     return
   names = {j.run for j in jobs}
   unknown = [n for n in FLAGS.only if n not in names]
@@ -430,10 +459,11 @@ def main(argv):
     if len(pending) < len(todo):
       print(f"{len(todo) - len(pending)} of {len(todo)} runs already finished: skipped",
             flush=True)
-    if FLAGS.workers > 1 and len(pending) > 1:
-      failed = train_in_parallel(pending, FLAGS.workers)
+    groups = groups_of(pending, FLAGS.stack)
+    if FLAGS.workers > 1 and len(groups) > 1:
+      failed = train_in_parallel(groups, FLAGS.workers)
     else:
-      train_serially(pending)
+      train_serially(groups)
   rows = collect(cfg, jobs)
   if not rows:
     raise SystemExit(f"no finished runs under {root}")

@@ -28,6 +28,14 @@
 #     bash experiments/gpu_ablations.sh workdir_full 4000 0 "0 1 2" "" "(0.001, 0.003)"
 #
 # (a WORKDIR of its own: the runner refuses finished runs of another length).
+#
+# EXTRA (environment): more flags for every `experiments.ablation` call, e.g.
+# EXTRA="--config.train.batch_size=8" for a quick trial of the script itself.
+#
+# STACK=1 (environment) trains each run's learning rates and seeds together as one
+# vmapped program (`ablation --stack`): one process per run instead of one per (lr,
+# seed), all seeds in one wave. The models are launch-bound, so this should cost far
+# less GPU time; its speed-up on the H200 has not been measured yet.
 set -u
 cd "$(dirname "$0")/.."
 W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-0}; LRS=${6:-"(0.003,)"}
@@ -72,17 +80,23 @@ done
 # Every learning rate of a run trains at once too.
 NLR=$(python3 -c "l = $LRS; assert isinstance(l, tuple) and l; print(len(l))" 2>/dev/null) ||
   { echo "LRS=$LRS: expected a non-empty Python tuple such as \"(0.003,)\"" >&2; exit 2; }
+STACK=${STACK:-0}
+PER_RUN=$NLR  # processes per run
+if [ "$STACK" = 1 ]; then PER_RUN=1; fi
 maxn=1
 for ((g = 0; g < NGPU; g++)); do
-  n=$(($(echo ${GROUP[g]} | wc -w) * NLR)); ((n > maxn)) && maxn=$n
+  n=$(($(echo ${GROUP[g]} | wc -w) * PER_RUN)); ((n > maxn)) && maxn=$n
   echo "GPU ${DEVICES[g]}: ${GROUP[g]} (${LOAD[g]} ms per step)"
 done
 # Share each GPU's memory among its processes.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(min(0.5, 0.9 / $maxn), 3))")
-C=(--workdir="$W" --config.train.num_steps="$STEPS" "--config.lrs=$LRS")
+C=(--workdir="$W" --config.train.num_steps="$STEPS" "--config.lrs=$LRS" ${EXTRA:-})
+seeds="($(echo $SEEDS | sed 's/ /, /g'),)"
+WAVES=$SEEDS  # one wave per seed, or with STACK=1 one wave of all seeds
+if [ "$STACK" = 1 ]; then C+=(--stack); WAVES=all; fi
 mkdir -p "$W/logs"
 start=$SECONDS
-for s in $SEEDS; do
+for s in $WAVES; do
   left=0
   if ((LIMIT > 0)); then
     left=$((LIMIT - (SECONDS - start)))
@@ -93,9 +107,10 @@ for s in $SEEDS; do
     for sweep in $SWEEPS; do
       only=$(for r in ${GROUP[g]}; do [ "${r%%:*}" = $sweep ] && echo -n "${r#*:},"; done)
       [ -z "$only" ] && continue
-      n=$(($(echo "$only" | tr ',' ' ' | wc -w) * NLR))
+      n=$(($(echo "$only" | tr ',' ' ' | wc -w) * PER_RUN))
+      wave_seeds="($s,)"; [ "$s" = all ] && wave_seeds=$seeds
       CUDA_VISIBLE_DEVICES=${DEVICES[g]} timeout "$left" python3 -m experiments.ablation \
-          --config=configs/$sweep.py "${C[@]}" "--config.seeds=($s,)" --only="${only%,}" \
+          --config=configs/$sweep.py "${C[@]}" "--config.seeds=$wave_seeds" --only="${only%,}" \
           --workers="$n" > "$W/logs/${sweep}_gpu${g}_seed$s.log" 2>&1 &
     done
   done
@@ -113,7 +128,6 @@ for pair in table6:softmax table7:both table8:shared table6:GLA; do
     [ -e "$dest" ] || { mkdir -p "$(dirname "$dest")" && cp -r "$job" "$dest"; }
   done
 done
-seeds="($(echo $SEEDS | sed 's/ /, /g'),)"
 for t in $SWEEPS; do
   python3 -m experiments.ablation --config=configs/$t.py "${C[@]}" "--config.seeds=$seeds" \
       --report_only --results="$W/results/${t}_gpu" > "$W/logs/${t}_report.log" 2>&1 \

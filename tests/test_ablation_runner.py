@@ -44,6 +44,30 @@ def test_parallel_sweep_trains_every_run_and_reports(tmp_path):
   assert f"{len(jobs)} of {len(jobs)} runs already finished" in again.stdout
 
 
+def test_stacked_sweep_trains_each_runs_lrs_and_seeds_in_one_process(tmp_path):
+  cmd = [sys.executable, "-m", "experiments.ablation", "--config=configs/table8.py:cpu",
+         f"--workdir={tmp_path}", "--workers=2", "--stack", "--config.lrs=(0.003, 0.01)",
+         "--config.seeds=(0, 1)", *TINY]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  cfg = table8.get_config("cpu")
+  cfg.train.num_steps, cfg.lrs, cfg.seeds = 2, (0.003, 0.01), (0, 1)
+  jobs = ablation.expand(cfg, tmp_path / cfg.name)
+  groups = ablation.groups_of(jobs, stack=True)
+  assert [len(g) for g in groups] == [4] * len(cfg.runs)
+  assert ablation.groups_of(jobs, stack=False) == [[j] for j in jobs]
+  for group in groups:  # one child per run, its log in the first job's directory
+    assert (group[0].dir / "train.log").exists()
+    assert not any((j.dir / "train.log").exists() for j in group[1:])
+    summaries = [ablation.read_summary(j) for j in group]
+    assert all(s is not None and s["step"] == 2 for s in summaries), group[0].dir
+    losses = {s["eval"]["loss"] for s in summaries}
+    assert len(losses) == 4  # four different runs, not one run copied
+  results = json.loads((tmp_path / cfg.name / "results.json").read_text())
+  assert "--stack" in results["command"]
+  assert all(r["finished"] and r["seeds"] == 2 for r in results["rows"])
+
+
 def _eval_record(step, loss, accuracy):
   return {"kind": "eval", "step": step, "train_loss": loss, "loss": loss,
           "accuracy": accuracy, "router": []}

@@ -7,7 +7,8 @@
 
 Files under the workdir: config.json, metrics.jsonl, tb/ (TensorBoard events),
 checkpoints/<step>/ (orbax), summary.json (when finished).
-Lower level: `build(config) -> Program` (mesh, shardings, init, jitted train / eval
+`train_stacked(configs, workdirs)` trains runs that differ only in lr and seed as one
+vmapped program (each still gets its own workdir). Lower level: `build(config) -> Program` (mesh, shardings, init, jitted train / eval
 steps) and `load_state(config, workdir)`. Multi-host: call `jax.distributed.initialize`
 first (or use `python -m sse_jax.train --coordinator=...`).
 """
@@ -16,7 +17,8 @@ from sse_jax.train.checkpoint import CheckpointError, load_state
 from sse_jax.train.config import default_config
 from sse_jax.train.loop import NonFiniteLossError, train_and_evaluate
 from sse_jax.train.program import Program, build
+from sse_jax.train.stacked import train_stacked
 from sse_jax.train.state import TrainState
 
 __all__ = ["CheckpointError", "NonFiniteLossError", "Program", "TrainState", "build",
-           "default_config", "load_state", "train_and_evaluate"]
+           "default_config", "load_state", "train_and_evaluate", "train_stacked"]

@@ -12,6 +12,9 @@ host-side accumulators (partial log and eval windows) are restored from the late
 checking that the checkpoint belongs to this config (see checkpoint.py); the run then
 computes exactly what the uninterrupted run would have (bitwise on CPU), and
 metrics.jsonl reads as one run. A finished run returns its summary without training.
+
+`Run` holds one run's host side; `train_lockstep` is the step loop above, for one run
+or for several stepped together (`sse_jax.train.stacked`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -63,8 +66,9 @@ def _fresh_host() -> dict[str, Any]:
   return {"log_sums": {}, "log_count": 0, "eval_loss_sum": 0.0, "eval_count": 0}
 
 
-class _Run:
-  """The state of one invocation of train_and_evaluate."""
+class Run:
+  """One training run's host side: config, data iterators, checkpoints, logs and
+  accumulators, and its `state` (kept current by `train_lockstep`'s sync)."""
 
   def __init__(self, config, workdir: str, program: program_lib.Program):
     self.config = config
@@ -80,7 +84,6 @@ class _Run:
     self.eval_bytes = config_lib.eval_data_config(config)["kind"] != "mqar"
     self.routed = tuple(i for i, c in enumerate(program.model_config.pattern) if c == "S")
     self.tokens_per_step = None
-    self.paused = 0.0          # seconds spent in eval / checkpoints since the last log
     self.timed_steps = 0       # steps after the first of this invocation (no compile)
     self.timed_seconds = 0.0   # their seconds, eval and checkpoints left out
     self.log = None
@@ -106,7 +109,8 @@ class _Run:
 
   # --- per step ------------------------------------------------------------------------
 
-  def _batch(self) -> dict[str, jax.Array]:
+  def local_batch(self) -> dict[str, np.ndarray]:
+    """This process's rows of the next training batch (checked against the vocab once)."""
     local = next(self.train_iter)
     if self.tokens_per_step is None:
       self.tokens_per_step = self.config.batch_size * local["inputs"].shape[1]
@@ -114,14 +118,21 @@ class _Run:
       top = max(int(local["inputs"].max()), int(local["targets"].max()))
       if top >= vocab:
         raise ValueError(f"the data has token id {top} but model vocab_size={vocab}")
-    return self.program.global_batch(local)
+    return local
 
-  def _settle(self, step: int, device_metrics) -> dict[str, float]:
-    """Fetches one step's metrics, stops on non-finite values, adds them to the windows."""
-    m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  def advance(self):
+    """One train step of this run alone; returns its metrics, still on the device."""
+    self.state, device_metrics = self.program.train_step(
+        self.state, self.program.global_batch(self.local_batch()))
+    return device_metrics
+
+  def settle(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+    """Takes one step's metrics (host copies), stops on non-finite values, adds them to
+    the windows."""
+    m = {k: float(v) for k, v in metrics.items()}
     for name in CHECKED:
       if not math.isfinite(m[name]):
-        self._non_finite(step, name, m)
+        self.non_finite(step, name, m)
     sums = self.host["log_sums"]
     for k, v in m.items():
       sums[k] = sums.get(k, 0.0) + v
@@ -130,7 +141,7 @@ class _Run:
     self.host["eval_count"] += 1
     return m
 
-  def _non_finite(self, step: int, name: str, m: dict[str, float]):
+  def non_finite(self, step: int, name: str, m: dict[str, float]):
     values = ", ".join(f"{k}={m[k]:.6g}" for k in ("loss", "ce", "aux_loss", "grad_norm", "lr"))
     self.checkpoints.wait()  # so that the step named below is on disk
     latest = self.checkpoints.latest_step()
@@ -141,12 +152,12 @@ class _Run:
     self.log.write({"kind": "error", "step": step, "message": message})
     raise NonFiniteLossError(message)
 
-  def _due(self, step: int, every: int) -> bool:
+  def due(self, step: int, every: int) -> bool:
     return step == self.config.num_steps or (every > 0 and step % every == 0)
 
   # --- boundaries ----------------------------------------------------------------------
 
-  def _log_train(self, step: int, window_seconds: float):
+  def log_train(self, step: int, window_seconds: float):
     count = self.host["log_count"]
     if not count:
       return
@@ -168,7 +179,7 @@ class _Run:
     del iterator  # stops grain's prefetch threads now rather than at interpreter exit
     return metrics_lib.finish_eval(jax.device_get(sums), self.routed, self.eval_bytes)
 
-  def _eval(self, step: int):
+  def eval_and_log(self, step: int):
     count = self.host["eval_count"]
     record = {"kind": "eval", "step": step,
               "train_loss": self.host["eval_loss_sum"] / count if count else None}
@@ -176,46 +187,6 @@ class _Run:
     record["time"] = time.time() - self.started
     self.log.write(record)
     self.host["eval_loss_sum"], self.host["eval_count"] = 0.0, 0
-
-  # --- the loop ------------------------------------------------------------------------
-
-  def train(self, stop_after: int | None):
-    c = self.config
-    last = c.num_steps if stop_after is None else min(c.num_steps, stop_after)
-    first = self.step + 1
-    pending = None
-    window_start = timer = time.time()
-    pauses = 0.0  # eval and checkpoint seconds, kept out of the throughput
-    while self.step < last:
-      batch = self._batch()
-      self.state, device_metrics = self.program.train_step(self.state, batch)
-      self.step += 1
-      step = self.step
-      if pending is not None:
-        self._settle(*pending)
-      pending = (step, device_metrics)
-      log, ev, save = (self._due(step, c.log_every), self._due(step, c.eval_every),
-                       self._due(step, c.checkpoint_every))
-      if not (log or ev or save or step in (first, last)):
-        continue
-      self._settle(*pending)
-      pending = None
-      if step == first:  # the first step compiles: time from its end
-        timer = time.time()
-      if log:
-        self._log_train(step, time.time() - window_start - self.paused)
-        window_start, self.paused = time.time(), 0.0
-      t0 = time.time()
-      if ev:
-        self._eval(step)
-      if save:
-        self.checkpoints.save(step, self.state, self.train_iter, self.host,
-                              self.fingerprint)
-      self.paused += time.time() - t0
-      pauses += time.time() - t0
-    self.timed_steps = max(self.step - first, 0)
-    self.timed_seconds = time.time() - timer - pauses
-    self.checkpoints.wait()
 
   # --- the end -------------------------------------------------------------------------
 
@@ -243,6 +214,73 @@ class _Run:
     del self.train_iter
 
 
+def train_lockstep(runs: list[Run], advance: Callable[[], Any],
+                   split: Callable[[Any], list[dict]], sync: Callable[[], None],
+                   stop_after: int | None) -> None:
+  """Steps `runs` together until num_steps (or stop_after): one run, or several whose
+  states are stacked into one array tree (`sse_jax.train.stacked`).
+
+  advance() dispatches one step of every run and returns its metrics, on the device;
+  split(host copy of those) gives one dict of scalars per run; sync() brings each run's
+  `state` up to date before it is evaluated or checkpointed. The runs share num_steps,
+  log_every, eval_every and checkpoint_every, and start from the same step.
+  """
+  c = runs[0].config
+  last = c.num_steps if stop_after is None else min(c.num_steps, stop_after)
+  first = runs[0].step + 1
+  step = runs[0].step
+  pending = None
+  window_start = timer = time.time()
+  paused = pauses = 0.0  # eval and checkpoint seconds, kept out of the throughput
+
+  def settle(at, metrics):
+    for run, m in zip(runs, split(jax.device_get(metrics))):
+      run.settle(at, m)
+
+  while step < last:
+    device_metrics = advance()
+    step += 1
+    for run in runs:
+      run.step = step
+    if pending is not None:
+      settle(*pending)
+    pending = (step, device_metrics)
+    log, ev, save = (runs[0].due(step, c.log_every), runs[0].due(step, c.eval_every),
+                     runs[0].due(step, c.checkpoint_every))
+    if not (log or ev or save or step in (first, last)):
+      continue
+    settle(*pending)
+    pending = None
+    if step == first:  # the first step compiles: time from its end
+      timer = time.time()
+    if log:
+      for run in runs:
+        run.log_train(step, time.time() - window_start - paused)
+      window_start, paused = time.time(), 0.0
+    t0 = time.time()
+    if ev or save:
+      sync()
+    for run in runs:
+      if ev:
+        run.eval_and_log(step)
+      if save:
+        run.checkpoints.save(step, run.state, run.train_iter, run.host, run.fingerprint)
+    paused += time.time() - t0
+    pauses += time.time() - t0
+  sync()
+  for run in runs:
+    run.timed_steps = max(step - first, 0)
+    run.timed_seconds = time.time() - timer - pauses
+    run.checkpoints.wait()
+
+
+def write_summary(run: Run, summary: dict[str, Any]) -> None:
+  """workdir/summary.json, once the run is finished (its presence marks it done)."""
+  if run.lead and summary["finished"]:
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+
+
 def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None
                        ) -> dict[str, Any]:
   """Trains `config` (see `default_config`) in `workdir`, resuming from its latest
@@ -265,15 +303,13 @@ def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None
   config_lib.validate(config)
   os.makedirs(workdir, exist_ok=True)
   program = program_lib.build(config)
-  run = _Run(config, workdir, program)
+  run = Run(config, workdir, program)
   try:
     with jax.set_mesh(program.mesh):
       run.start()
-      run.train(stop_after)
+      train_lockstep([run], run.advance, lambda m: [m], lambda: None, stop_after)
     summary = run.summary()
   finally:
     run.close()
-  if run.lead and summary["finished"]:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+  write_summary(run, summary)
   return summary
