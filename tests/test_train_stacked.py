@@ -5,6 +5,10 @@ that differ in more than lr and seed."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -25,6 +29,31 @@ def tiny_config(lr: float, seed: int):
   c.progress = False
   c.lr, c.seed = lr, seed
   return c
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Trains the two runs of `short_configs` stacked on 8 simulated CPU devices (data 4 x
+# model 2) and prints their final eval losses as JSON.
+EIGHT_DEVICES = """
+import json, sys
+sys.path.insert(0, "tests")
+import jax
+from test_train_stacked import short_configs
+from sse_jax import train
+assert jax.device_count() == 8
+configs = short_configs(data=-1, model=2)
+out = train.train_stacked(configs, [sys.argv[1] + "/a", sys.argv[1] + "/b"])
+print(json.dumps({"mesh": out[0]["mesh"], "loss": [s["eval"]["loss"] for s in out]}))
+"""
+
+
+def short_configs(data=1, model=1):
+  configs = [tiny_config(3e-2, 0), tiny_config(1e-2, 1)]
+  for c in configs:
+    c.num_steps, c.eval_every, c.checkpoint_every, c.batch_size = 3, 3, 0, 8
+    c.mesh.data, c.mesh.model = data, model
+  return configs
 
 
 def records(workdir, kind):
@@ -67,3 +96,17 @@ def test_stacked_runs_must_differ_only_in_lr_and_seed(tmp_path):
     stacked.check_stackable([a, b])
   with pytest.raises(ValueError, match="one distinct workdir per config"):
     train.train_stacked([a, a], [tmp_path / "x", tmp_path / "x"])
+
+
+def test_stacked_runs_on_eight_devices_match_one_device(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, "-c", EIGHT_DEVICES, str(tmp_path / "eight")],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  eight = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert eight["mesh"] == {"data": 4, "model": 2}
+  one = train.train_stacked(short_configs(), [tmp_path / "one_a", tmp_path / "one_b"])
+  np.testing.assert_allclose(eight["loss"], [s["eval"]["loss"] for s in one], rtol=1e-5)
+  assert eight["loss"][0] != eight["loss"][1]
