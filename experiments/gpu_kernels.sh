@@ -7,8 +7,8 @@
 # roughly 2 + 3 + 4 minutes, plus up to FLA_TIMEOUT_S for fla (its first call compiles
 # and autotunes for ~4 minutes): split the steps over runs where time is limited.
 #
-# 1. the Pallas GPU test class (outputs, states, every gradient vs the scan) and the
-#    CUDA lowering checks;
+# 1. the Pallas GPU test class (outputs, states, every gradient vs the scan), the
+#    CUDA lowering checks, and cuDNN attention against XLA's (the GPU models' path);
 # 2. `experiments.profile_kernels` at L = 32K: each kernel alone, then BlockSizes
 #    variants of the whole core, each compared with the defaults' outputs and
 #    gradients (the per-kernel table of docs/kernels.md);
@@ -23,7 +23,9 @@ mkdir -p "$OUT"
 FAILED=""
 if [[ $STEPS == *,tests,* ]]; then
 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_pallas.py::TestPallasGPU \
-    tests/test_pallas.py::test_kernels_lower_for_cuda > "$OUT/test_pallas.log" 2>&1 \
+    tests/test_pallas.py::test_kernels_lower_for_cuda \
+    tests/test_layers_attention.py::test_cudnn_attention_matches_xla_on_gpu \
+    > "$OUT/test_pallas.log" 2>&1 \
     || FAILED="$FAILED tests"
 echo "tests: $(tail -n 1 "$OUT/test_pallas.log")"
 # The failing cases by name, and how far off they were, where the log may not be read.
