@@ -244,6 +244,12 @@ def test_kernels_lower_for_cuda():
   # (state gradients), dv, dqk (the forward's states are kept).
   calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
   assert calls == 16, f"expected 16 Triton kernel calls, found {calls}"
+  # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
+  # pallas_call gains a grid dimension, and still lowers, as the same 16 calls.
+  stack = lambda a: jnp.stack([a, a])
+  calls = _cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
+                             *map(stack, x), stack(w))
+  assert calls == 16, f"vmapped: expected 16 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
   # (one more local pass and sweep in the backward), other tiles, dq/dk in two kernels.
