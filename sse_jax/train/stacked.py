@@ -18,8 +18,8 @@ and the progress line is the first run's. The stacked update equals the separate
 rate multiplies the update instead of entering the optimizer; vmapped matmuls may sum
 in another order): a stacked run is not bitwise the same as the run trained alone.
 
-A non-finite loss or gradient norm in any run stops them all (NonFiniteLossError,
-naming that run's checkpoint directory); the others' checkpoints stay usable.
+A non-finite loss or gradient norm in any run stops them all, with that run's
+NonFiniteLossError (its message names the run's last checkpoint, if any).
 
 Resuming: all runs must be at the same step (the latest checkpoint of each, or none);
 otherwise a ValueError names their steps (train them separately, or remove the
