@@ -414,7 +414,7 @@ def train_in_parallel(groups: list[list[Job]], workers: int) -> list[str]:
         result = ", ".join(f"{k}={ev[k]:.4f}" for k in ("loss", "accuracy") if k in ev)
       else:
         failed.append(_job_id(job))
-        tail = log_path(group).read_text(errors="replace").splitlines()[-5:]
+        tail = (group[0].dir / "train.log").read_text(errors="replace").splitlines()[-5:]
         result = f"FAILED (exit {returncode}): " + " | ".join(tail)
       print(f"[{time.time() - t0:5.0f}s] {len(ended)}/{total} done {_job_id(job)} in "
             f"{seconds:.0f}s: {result}", flush=True)

@@ -104,21 +104,21 @@ def train_stacked(configs: Sequence[Any], workdirs: Sequence[str], *,
         run.start()
       for run in runs[1:]:  # one progress line for the group (the first run's)
         run.progress.active = False
-      at = sorted({run.step for run in runs})
-      if len(at) > 1:
+      if len({run.step for run in runs}) > 1:
         raise ValueError("stacked runs must resume from the same step; their latest "
                          "checkpoints are at " + ", ".join(
                              f"{r.workdir}: {r.step}" for r in runs))
-      holder = {"state": jax.device_put(
-          jax.tree.map(lambda *xs: jnp.stack(xs), *[r.state for r in runs]), state_sharding)}
+      stacked = jax.device_put(
+          jax.tree.map(lambda *xs: jnp.stack(xs), *[r.state for r in runs]), state_sharding)
       for run in runs:
         run.state = None  # the stacked copy is the live one
 
       def advance():
+        nonlocal stacked
         local = [run.local_batch() for run in runs]
         batch = {k: jax.make_array_from_process_local_data(
             batch_sharding, np.stack([b[k] for b in local])) for k in local[0]}
-        holder["state"], metrics = step_fn(holder["state"], batch, lrs)
+        stacked, metrics = step_fn(stacked, batch, lrs)
         return metrics  # {name: [M]}
 
       def split(metrics):
@@ -126,7 +126,7 @@ def train_stacked(configs: Sequence[Any], workdirs: Sequence[str], *,
 
       def sync():
         for i, run in enumerate(runs):
-          run.state = jax.tree.map(lambda x, i=i: x[i], holder["state"])
+          run.state = jax.tree.map(lambda x, i=i: x[i], stacked)
 
       train_lockstep(runs, advance, split, sync, stop_after)
     summaries = [run.summary() for run in runs]
