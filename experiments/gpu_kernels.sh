@@ -4,7 +4,7 @@
 #     bash experiments/gpu_kernels.sh [OUT] [FLA_TIMEOUT_S] [STEPS]
 #
 # STEPS: a comma-separated subset of tests,profile,bench [all three]. On an H200 expect
-# roughly 2 + 3 + 4 minutes, plus up to FLA_TIMEOUT_S for fla (its first call compiles
+# roughly 5 + 3 + 4 minutes, plus up to FLA_TIMEOUT_S for fla (its first call compiles
 # and autotunes for ~4 minutes): split the steps over runs where time is limited.
 #
 # 1. the Pallas GPU test class (outputs, states, every gradient vs the scan), the
@@ -33,9 +33,9 @@ grep -E "^(FAILED|ERROR) " "$OUT/test_pallas.log" | cut -c1-400
 fi
 if [[ $STEPS == *,profile,* ]]; then
 python3 -m experiments.profile_kernels --out="$OUT/profile_kernels.json" \
-    --variants=diag_unroll=2 --variants=diag_unroll=4 --variants=diag_unroll=16 \
+    --variants=diag_unroll=1 --variants=diag_unroll=2 --variants=diag_unroll=16 \
     --variants=num_warps=8 --variants=recompute_states=true \
-    --variants=split_dqk=true --variants=split_dqk=true,diag_unroll=4 \
+    --variants=split_dqk=false --variants=split_dqk=false,diag_unroll=1 \
     > "$OUT/profile_kernels.log" 2>&1 || FAILED="$FAILED profile"
 grep -E "^(defaults|\{)" "$OUT/profile_kernels.log"
 fi

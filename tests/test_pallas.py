@@ -164,7 +164,9 @@ class TestPallasGPU:
       dict(split_dqk=True, block_k=32, diag_unroll=2),
       # The split dq/dk kernels' largest tiles.
       dict(split_dqk=True, chunk=128, dims=(128, 128)),
-      dict(split_dqk=True, block_k=128, dims=(256, 256)),
+      dict(split_dqk=True, block_k=128, dims=(256, 256)),  # inter kernel: block_k 64
+      dict(split_dqk=True, chunk=128, dims=(256, 256)),  # too large to split: fused
+      dict(split_dqk=False, diag_unroll=1),  # the fused dq/dk kernel
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
@@ -241,23 +243,25 @@ def test_kernels_lower_for_cuda():
     return jnp.sum(o1.astype(jnp.float32)) + jnp.sum(o2.astype(jnp.float32))
 
   # Per op: forward scores, local, sweep, outputs; backward local + reverse sweep
-  # (state gradients), dv, dqk (the forward's states are kept).
+  # (state gradients), dv, dq/dk inter and intra (the forward's states are kept).
   calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
-  assert calls == 16, f"expected 16 Triton kernel calls, found {calls}"
+  assert calls == 18, f"expected 18 Triton kernel calls, found {calls}"
   # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
-  # pallas_call gains a grid dimension, and still lowers, as the same 16 calls.
+  # pallas_call gains a grid dimension, and still lowers, as the same 18 calls.
   stack = lambda a: jnp.stack([a, a])
   calls = _cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
                              *map(stack, x), stack(w))
-  assert calls == 16, f"vmapped: expected 16 Triton kernel calls, found {calls}"
+  assert calls == 18, f"vmapped: expected 18 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
   # (one more local pass and sweep in the backward), other tiles, dq/dk in two kernels.
   c, h, d = 32, 1, 64
   q = jnp.ones((1, 2, c, h, d), jnp.bfloat16)
   h0, start, count = jnp.zeros((1, h, d, d)), jnp.asarray([0]), jnp.asarray([2])
-  for fields, want in ((dict(diag_unroll=4), 8), (dict(recompute_states=True), 10),
-                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 8),
+  for fields, want in ((dict(split_dqk=False, diag_unroll=1), 8),
+                       (dict(split_dqk=False, diag_unroll=4), 8),
+                       (dict(recompute_states=True), 11),
+                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 9),
                        (dict(split_dqk=True), 9)):
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
@@ -272,7 +276,7 @@ def test_profile_kernels_runs_every_kernel():
   that the tool still matches the kernel file."""
   from experiments import profile_kernels  # pylint: disable=g-import-not-at-top
   x = profile_kernels.make_inputs(128, 1, 16, 32)
-  bs = pallas_chunk_gla.BlockSizes(chunk=32)
+  bs = pallas_chunk_gla.BlockSizes(chunk=32, split_dqk=False)
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     times = profile_kernels.per_kernel(x, bs, True, reps=1)
