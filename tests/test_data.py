@@ -337,6 +337,27 @@ def test_pipeline_shuffle_epochs_and_drop_remainder():
     data.make_dataset(src, batch_size=16, seed=0, shuffle=False, num_epochs=1)
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_pipeline_batched_reads_equal_grains_per_example_pipeline(shuffle):
+  """make_dataset shards, shuffles and batches indices, then reads a batch in one call;
+  the batches are those of the same grain steps applied to the source's examples."""
+  import grain  # pylint: disable=g-import-not-at-top
+  src = data.make_source(dict(kind="mqar", vocab_size=64, num_pairs=4, seq_len=24,
+                              num_examples=1000))
+  per_example = grain.MapDataset.source(src)[:999][1::3]  # process 1 of 3
+  if shuffle:
+    per_example = per_example.shuffle(seed=5)
+  want = list(per_example.repeat(None).batch(4, drop_remainder=True)[:90])  # > 1 epoch
+  got = data.make_dataset(src, batch_size=12, seed=5, shuffle=shuffle, process_index=1,
+                          process_count=3)
+  for i, (g, w) in enumerate(zip(got, want)):
+    assert g.keys() == w.keys()
+    for k in w:
+      assert g[k].dtype == w[k].dtype, (i, k)
+      np.testing.assert_array_equal(g[k], w[k], err_msg=f"batch {i}, {k}")
+  assert i == 89
+
+
 @pytest.mark.parametrize("kind", ["mqar", "shakespeare"])
 def test_pipeline_checkpoint_resume_gives_the_same_next_batch(kind):
   cfg = (dict(kind="mqar", vocab_size=128, num_pairs=8, seq_len=40, gap_mode="noise",

@@ -38,6 +38,7 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 
 from sse_jax.data.mqar import MQARConfig, MQARSource
 from sse_jax.data.retrieval import RetrievalConfig, RetrievalSource
@@ -137,7 +138,11 @@ def make_dataset(source, *, batch_size: int, seed: int, shuffle: bool,
     raise ValueError(f"num_epochs={num_epochs}: must be >= 1 or None (forever)")
   local_batch = batch_size // count
 
-  ds = grain.MapDataset.source(source)
+  # The shard / shuffle / repeat / batch steps act on example indices, and a batch of
+  # indices is read in one call: grain's per-read bookkeeping on every example cost as
+  # much as generating an MQAR example, and a small GPU model waits on its input. The
+  # examples are those of the same steps on the source itself.
+  ds = grain.MapDataset.range(len(source))
   ds = ds[:len(ds) - len(ds) % count][index::count]
   if num_epochs is not None and len(ds) * num_epochs < local_batch:
     raise ValueError(f"{source!r} gives {len(ds)} examples per process, fewer than one batch "
@@ -146,6 +151,20 @@ def make_dataset(source, *, batch_size: int, seed: int, shuffle: bool,
     ds = ds.shuffle(seed=seed)
   if num_epochs != 1:
     ds = ds.repeat(num_epochs)
-  ds = ds.batch(local_batch, drop_remainder=True)
+  ds = ds.batch(local_batch, drop_remainder=True).map(BatchReader(source))
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads,
                                               prefetch_buffer_size=prefetch_buffer_size))
+
+
+class BatchReader:
+  """indices int [B] -> the examples source[i], each field stacked: [B, ...]."""
+
+  def __init__(self, source):
+    self.source = source
+
+  def __call__(self, indices):
+    examples = [self.source[int(i)] for i in indices]
+    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+  def __repr__(self) -> str:
+    return f"BatchReader({self.source!r})"

@@ -109,9 +109,10 @@ class Run:
 
   # --- per step ------------------------------------------------------------------------
 
-  def local_batch(self) -> dict[str, np.ndarray]:
-    """This process's rows of the next training batch (checked against the vocab once)."""
-    local = next(self.train_iter)
+  def local_batch(self, read: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """This process's rows of the next training batch (checked against the vocab once);
+    `read`: that batch, already read by a run sharing this run's iterator."""
+    local = next(self.train_iter) if read is None else read
     if self.tokens_per_step is None:
       self.tokens_per_step = self.config.batch_size * local["inputs"].shape[1]
       vocab = self.program.model_config.vocab_size

@@ -10,13 +10,14 @@ as one: on a GPU a 2-layer ablation model is launch-bound, and M processes shari
 device only take turns.
 
 Everything else is per run, exactly as `train_and_evaluate` writes it: each run reads
-its own data stream (its seed), and gets its own metrics.jsonl, TensorBoard events,
-evaluations, checkpoints (its slice of the stacked state, with its data-iterator
-state) and summary.json, so a run trained here resumes, reports and compares like any
-other; its steps/s and tokens/s are those of the group's steps (one step of every run),
-and the progress line is the first run's. The stacked update equals the separate ones up to float rounding (the learning
-rate multiplies the update instead of entering the optimizer; vmapped matmuls may sum
-in another order): a stacked run is not bitwise the same as the run trained alone.
+the data stream of its seed (runs of one seed share one iterator), and gets its own
+metrics.jsonl, TensorBoard events, evaluations, checkpoints (its slice of the stacked
+state, with its data-iterator state) and summary.json, so a run trained here resumes,
+reports and compares like any other; its steps/s and tokens/s are those of the group's
+steps (one step of every run), and the progress line is the first run's. The stacked
+update equals the separate ones up to float rounding (the learning rate multiplies the
+update instead of entering the optimizer; vmapped matmuls may sum in another order): a
+stacked run is not bitwise the same as the run trained alone.
 
 A non-finite loss or gradient norm in any run stops them all, with that run's
 NonFiniteLossError (its message names the run's last checkpoint, if any).
@@ -98,6 +99,13 @@ def train_stacked(configs: Sequence[Any], workdirs: Sequence[str], *,
       batch_sharding, stack_sharding)
   lrs = jax.device_put(np.asarray([c.lr for c in configs], np.float32), stack_sharding)
   runs = [Run(c, str(w), p) for c, w, p in zip(configs, workdirs, programs)]
+  # Runs of one seed read the same data (the configs differ in lr and seed only): they
+  # share the first one's iterator, read once per step, so a learning-rate sweep costs
+  # the host no more input than one run. Its state is saved with each run's checkpoint.
+  reader = [next(j for j, r in enumerate(runs) if r.config.seed == run.config.seed)
+            for run in runs]
+  for run, j in zip(runs, reader):
+    run.train_iter = runs[j].train_iter
   try:
     with jax.set_mesh(base.mesh):
       for run in runs:
@@ -115,7 +123,9 @@ def train_stacked(configs: Sequence[Any], workdirs: Sequence[str], *,
 
       def advance():
         nonlocal stacked
-        local = [run.local_batch() for run in runs]
+        local = []
+        for run, j in zip(runs, reader):
+          local.append(run.local_batch(local[j] if j < len(local) else None))
         batch = {k: jax.make_array_from_process_local_data(
             batch_sharding, np.stack([b[k] for b in local])) for k in local[0]}
         stacked, metrics = step_fn(stacked, batch, lrs)
