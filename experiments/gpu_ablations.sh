@@ -34,8 +34,10 @@
 #
 # STACK=1 (environment) trains each run's learning rates and seeds together as one
 # vmapped program (`ablation --stack`): one process per run instead of one per (lr,
-# seed), all seeds in one wave. The models are launch-bound, so this should cost far
-# less GPU time; its speed-up on the H200 has not been measured yet.
+# seed), all seeds in one wave; runs of one seed share their data. On the H200 a stacked
+# group is bounded by its one host thread making one MQAR batch per seed per step (~18
+# ms each): 3 seeds of N4_k1 made 18-19 steps/s, one run alone 53 (see
+# results/gpu_long_probe/README.md).
 set -u
 cd "$(dirname "$0")/.."
 W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-0}; LRS=${6:-"(0.003,)"}
