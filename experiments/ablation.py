@@ -283,7 +283,9 @@ def plot(cfg, rows, path: pathlib.Path) -> None:
     for r in rows:
       if "baseline" in r["labels"]:
         ax.axhline(r["metric"], linestyle="--", linewidth=1, color="gray")
-        ax.text(1, r["metric"], f" {r['labels']['baseline']}", va="bottom", fontsize=8)
+        # x in axes coordinates: at the left edge whichever N the sweep has.
+        ax.text(0.01, r["metric"], f" {r['labels']['baseline']}", va="bottom", fontsize=8,
+                transform=ax.get_yaxis_transform())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("number of partitions N")
   elif cfg.figure == "vs_width":
