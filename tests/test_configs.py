@@ -11,7 +11,7 @@ from experiments import ablation
 from sse_jax import train as train_lib
 from sse_jax.model import ModelConfig
 
-CONFIGS = ["fig7", "table6", "table7", "table8", "fig9"]
+CONFIGS = ["fig7", "table6", "table7", "table8", "fig9", "baselines"]
 
 
 def _config(name):

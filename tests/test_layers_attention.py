@@ -25,15 +25,26 @@ def numpy_rope(x, pos, base=10000.0):
   return np.concatenate([z.real, z.imag], axis=-1)
 
 
+def numpy_short_conv(x, kernel):
+  """silu(sum_j W_j x_{t-w+1+j}) per channel, zeros before the first token."""
+  width, t = kernel.shape[0], x.shape[1]
+  padded = np.concatenate([np.zeros((x.shape[0], width - 1) + x.shape[2:]), x], axis=1)
+  y = sum(kernel[j] * padded[:, j:j + t] for j in range(width))
+  return y / (1.0 + np.exp(-y))
+
+
 def numpy_attention(layer, x, window):
-  """softmax(q k^T / sqrt(Dh)) v with causal (+ window) mask, KV heads repeated."""
+  """softmax(q k^T / sqrt(Dh)) v with causal (+ window) mask, KV heads repeated; with
+  the config's short conv on the q / k / v projections before RoPE."""
   c = layer.config
   x = np.asarray(x, np.float64)
   w = lambda p: np.asarray(p.kernel[...], np.float64)
   pos = np.arange(x.shape[1])
-  q = numpy_rope(np.einsum("btd,dhk->bthk", x, w(layer.q)), pos)
-  k = numpy_rope(np.einsum("btd,dhk->bthk", x, w(layer.k)), pos)
-  v = np.einsum("btd,dhk->bthk", x, w(layer.v))
+  q, k, v = (np.einsum("btd,dhk->bthk", x, w(p)) for p in (layer.q, layer.k, layer.v))
+  if c.short_conv:
+    q, k, v = (numpy_short_conv(a, w(cv)) for a, cv in
+               zip((q, k, v), (layer.q_conv, layer.k_conv, layer.v_conv)))
+  q, k = numpy_rope(q, pos), numpy_rope(k, pos)
   rep = c.num_heads // c.kv_heads
   k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
   s = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head)
@@ -46,9 +57,9 @@ def numpy_attention(layer, x, window):
   return np.einsum("bhts,bshk,hkd->btd", p, v, w(layer.o))
 
 
-def make(window=None, kv_heads=2):
+def make(window=None, kv_heads=2, short_conv=0):
   cfg = AttentionConfig(hidden=D, num_heads=4, num_kv_heads=kv_heads, window=window,
-                        implementation="xla")
+                        implementation="xla", short_conv=short_conv)
   return random_module(lambda: Attention(cfg, rngs=nnx.Rngs(0)), seed=4)
 
 
@@ -57,15 +68,17 @@ def call(layer, x, cache=None):
   return layer(x, cache)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_attention_matches_numpy(window):
-  layer = make(window)
+@pytest.mark.parametrize("window,short_conv", [(None, 0), (5, 0), (None, 4)])
+def test_attention_matches_numpy(window, short_conv):
+  layer = make(window, short_conv=short_conv)
   x = jax.random.normal(jax.random.key(0), (B, T, D))
-  assert_close(call(layer, x).y, numpy_attention(layer, x, window), 1e-5, f"{window=}")
+  assert_close(call(layer, x).y, numpy_attention(layer, x, window), 1e-5,
+               f"{window=}, {short_conv=}")
 
 
-def test_kv_cache_prefill_and_decode_equal_full_attention():
-  layer = make(window=6, kv_heads=1)
+@pytest.mark.parametrize("short_conv", [0, 3])
+def test_kv_cache_prefill_and_decode_equal_full_attention(short_conv):
+  layer = make(window=6, kv_heads=1, short_conv=short_conv)
   x = jax.random.normal(jax.random.key(1), (B, T, D))
   full = call(layer, x).y
   out = call(layer, x[:, :9], layer.init_cache(B, T + 3))
@@ -75,6 +88,7 @@ def test_kv_cache_prefill_and_decode_equal_full_attention():
     ys.append(out.y)
     cache = out.cache
   assert int(cache.index) == T
+  assert (cache.conv is None) == (short_conv == 0)
   assert_close(jnp.concatenate(ys, axis=1), full, 1e-5, "cached vs full")
 
 
@@ -120,3 +134,8 @@ def test_cudnn_attention_matches_xla_on_gpu(window):
   for name in ("q", "k", "v", "o"):
     assert_close(getattr(g_params, name).kernel[...], getattr(w_params, name).kernel[...],
                  2e-2, f"d{name}")
+
+
+def test_config_errors_name_the_field():
+  with pytest.raises(ValueError, match="short_conv"):
+    AttentionConfig(hidden=D, num_heads=4, short_conv=-1)

@@ -22,6 +22,7 @@ from sse_jax.layers import validation as check
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.params import Einsum
 from sse_jax.layers.rope import apply_rope
+from sse_jax.layers.short_conv import ShortConv
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", None)
 
@@ -40,6 +41,10 @@ class AttentionConfig:
     "auto" (cuDNN on GPU for bf16/fp16 with Dh a multiple of 8 and <= 128, falling
     back to XLA if cuDNN's trace-time checks reject the call; else XLA),
     "xla", "cudnn", or None (JAX's own default).
+  short_conv: width w of a causal depthwise conv + SiLU on the q / k / v projections
+    (before RoPE), as the linear-attention mixers have it; 0 = none (a plain
+    Transformer). It gives each position its few predecessors directly, which small
+    models otherwise have to learn with a previous-token head (SPEC section 5).
   """
 
   hidden: int
@@ -49,6 +54,7 @@ class AttentionConfig:
   rope_base: float = 10000.0
   window: int | None = None
   implementation: str | None = "auto"
+  short_conv: int = 0
 
   def __post_init__(self):
     self.validate()
@@ -76,15 +82,18 @@ class AttentionConfig:
     check.positive_float(name, "rope_base", self.rope_base)
     check.optional_positive_int(name, "window", self.window)
     check.choice(name, "implementation", self.implementation, IMPLEMENTATIONS)
+    check.nonnegative_int(name, "short_conv", self.short_conv)
 
 
 class KVCache(NamedTuple):
   """k, v: [B, S, Hkv, Dh] for S = max_len positions; index: int32 scalar, the number
-  of positions already filled (the position of the next token)."""
+  of positions already filled (the position of the next token); conv: the (q, k, v)
+  short-conv states [B, w - 1, heads, Dh], or None without short conv."""
 
   k: jax.Array
   v: jax.Array
   index: jax.Array
+  conv: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 def resolve_implementation(implementation: str | None, dtype, head_dim: int) -> str | None:
@@ -110,12 +119,30 @@ class Attention(nnx.Module):
     self.k = Einsum("btd,dhk->bthk", (d, hk, dh), ("embed", "kv_heads", "head_dim"), **kw)
     self.v = Einsum("btd,dhk->bthk", (d, hk, dh), ("embed", "kv_heads", "head_dim"), **kw)
     self.o = Einsum("bthk,hkd->btd", (h, dh, d), ("heads", "head_dim", "embed"), **kw)
+    w = config.short_conv
+    self.q_conv = ShortConv(w, (h, dh), ("heads", "head_dim"), **kw) if w else None
+    self.k_conv = ShortConv(w, (hk, dh), ("kv_heads", "head_dim"), **kw) if w else None
+    self.v_conv = ShortConv(w, (hk, dh), ("kv_heads", "head_dim"), **kw) if w else None
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     """An empty cache for `max_len` positions, in the compute dtype."""
     shape = (batch, max_len, self.config.kv_heads, self.config.head)
     zeros = jnp.zeros(shape, self.dtype)
-    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
+    conv = None if self.q_conv is None else tuple(
+        c.init_state(batch) for c in (self.q_conv, self.k_conv, self.v_conv))
+    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32), conv)
+
+  def _project(self, x: jax.Array, conv_state):
+    """q [B, T, H, Dh], k, v [B, T, Hkv, Dh] (short-conv'd if configured), new conv
+    state (None without short conv)."""
+    q, k, v = self.q(x), self.k(x), self.v(x)
+    if self.q_conv is None:
+      return q, k, v, None
+    states = conv_state if conv_state is not None else (None,) * 3
+    pairs = [c(a, s) for c, a, s in zip((self.q_conv, self.k_conv, self.v_conv),
+                                        (q, k, v), states)]
+    (q, qs), (k, ks), (v, vs) = pairs
+    return q, k, v, (qs, ks, vs)
 
   def __call__(self, x: jax.Array, cache: KVCache | None = None) -> MixerOutput:
     """Full causal attention (cache None), or attention over the cache after writing
@@ -125,9 +152,9 @@ class Attention(nnx.Module):
     t = x.shape[1]
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
     pos = start + jnp.arange(t, dtype=jnp.int32)
-    q = apply_rope(self.q(x), pos, cfg.rope_base)
-    k = apply_rope(self.k(x), pos, cfg.rope_base)
-    v = self.v(x)
+    q, k, v, conv = self._project(x, None if cache is None else cache.conv)
+    q = apply_rope(q, pos, cfg.rope_base)
+    k = apply_rope(k, pos, cfg.rope_base)
     if cache is None:
       window = None if cfg.window is None else (cfg.window - 1, 0)
       attend = lambda impl: jax.nn.dot_product_attention(
@@ -148,4 +175,4 @@ class Attention(nnx.Module):
       mask &= kpos[None, :] > pos[:, None] - cfg.window
     o = jax.nn.dot_product_attention(q, kc.astype(q.dtype), vc.astype(q.dtype),
                                      mask=mask[None, None], implementation="xla")
-    return MixerOutput(self.o(o), KVCache(kc, vc, start + t))
+    return MixerOutput(self.o(o), KVCache(kc, vc, start + t, conv))
