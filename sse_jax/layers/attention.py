@@ -22,6 +22,7 @@ from sse_jax.layers import validation as check
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.params import Einsum
 from sse_jax.layers.rope import apply_rope
+from sse_jax.layers import short_conv
 from sse_jax.layers.short_conv import ShortConv
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", None)
@@ -128,21 +129,8 @@ class Attention(nnx.Module):
     """An empty cache for `max_len` positions, in the compute dtype."""
     shape = (batch, max_len, self.config.kv_heads, self.config.head)
     zeros = jnp.zeros(shape, self.dtype)
-    conv = None if self.q_conv is None else tuple(
-        c.init_state(batch) for c in (self.q_conv, self.k_conv, self.v_conv))
+    conv = short_conv.init_states((self.q_conv, self.k_conv, self.v_conv), batch)
     return KVCache(zeros, zeros, jnp.zeros((), jnp.int32), conv)
-
-  def _project(self, x: jax.Array, conv_state):
-    """q [B, T, H, Dh], k, v [B, T, Hkv, Dh] (short-conv'd if configured), new conv
-    state (None without short conv)."""
-    q, k, v = self.q(x), self.k(x), self.v(x)
-    if self.q_conv is None:
-      return q, k, v, None
-    states = conv_state if conv_state is not None else (None,) * 3
-    pairs = [c(a, s) for c, a, s in zip((self.q_conv, self.k_conv, self.v_conv),
-                                        (q, k, v), states)]
-    (q, qs), (k, ks), (v, vs) = pairs
-    return q, k, v, (qs, ks, vs)
 
   def __call__(self, x: jax.Array, cache: KVCache | None = None) -> MixerOutput:
     """Full causal attention (cache None), or attention over the cache after writing
@@ -152,7 +140,9 @@ class Attention(nnx.Module):
     t = x.shape[1]
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
     pos = start + jnp.arange(t, dtype=jnp.int32)
-    q, k, v, conv = self._project(x, None if cache is None else cache.conv)
+    (q, k, v), conv = short_conv.apply_all(
+        (self.q_conv, self.k_conv, self.v_conv), (self.q(x), self.k(x), self.v(x)),
+        None if cache is None else cache.conv)
     q = apply_rope(q, pos, cfg.rope_base)
     k = apply_rope(k, pos, cfg.rope_base)
     if cache is None:

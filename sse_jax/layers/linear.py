@@ -19,6 +19,7 @@ from sse_jax.layers.features import ACTIVATIONS
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.norm import RMSNorm
 from sse_jax.layers.params import Einsum
+from sse_jax.layers import short_conv
 from sse_jax.layers.short_conv import ShortConv
 
 
@@ -120,19 +121,14 @@ class QKV(nnx.Module):
       setattr(self, f"{n}_conv", conv)
 
   def init_conv_state(self, batch: int):
-    if self.q_conv is None:
-      return None
-    return tuple(c.init_state(batch) for c in (self.q_conv, self.k_conv, self.v_conv))
+    return short_conv.init_states((self.q_conv, self.k_conv, self.v_conv), batch)
 
   def __call__(self, x: jax.Array, conv_state=None):
     """Returns (q, k, v, new conv state or None)."""
-    outs = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-    if self.q_conv is None:
-      return (*outs, None)
-    states = conv_state if conv_state is not None else (None,) * 3
-    convs = (self.q_conv, self.k_conv, self.v_conv)
-    pairs = [c(o, s) for c, o, s in zip(convs, outs, states)]
-    return (*(y for y, _ in pairs), tuple(s for _, s in pairs))
+    outs = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+    ys, state = short_conv.apply_all((self.q_conv, self.k_conv, self.v_conv), outs,
+                                     conv_state)
+    return (*ys, state)
 
 
 class OutputHead(nnx.Module):

@@ -48,3 +48,20 @@ class ShortConv(nnx.Module):
     # convolution for w ~ 4, and the same code serves prefill and decode (T = 1).
     y = sum(w[j] * xs[:, j:j + t] for j in range(self.width))
     return jax.nn.silu(y), xs[:, t:]
+
+
+def init_states(convs: Sequence[ShortConv | None], batch: int):
+  """The zero states of the q / k / v convs, or None without short conv (convs None)."""
+  if convs[0] is None:
+    return None
+  return tuple(c.init_state(batch) for c in convs)
+
+
+def apply_all(convs: Sequence[ShortConv | None], xs: Sequence[jax.Array], states=None):
+  """(ys, new states) of the q / k / v convs over xs, from `states` (None: zeros);
+  without short conv (convs None), (xs, None)."""
+  if convs[0] is None:
+    return tuple(xs), None
+  states = states if states is not None else (None,) * len(xs)
+  pairs = [c(x, s) for c, x, s in zip(convs, xs, states)]
+  return tuple(y for y, _ in pairs), tuple(s for _, s in pairs)

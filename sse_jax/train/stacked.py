@@ -124,8 +124,8 @@ def train_stacked(configs: Sequence[Any], workdirs: Sequence[str], *,
       def advance():
         nonlocal stacked
         local = []
-        for run, j in zip(runs, reader):
-          local.append(run.local_batch(local[j] if j < len(local) else None))
+        for i, (run, j) in enumerate(zip(runs, reader)):
+          local.append(run.local_batch(local[j] if j < i else None))
         batch = {k: jax.make_array_from_process_local_data(
             batch_sharding, np.stack([b[k] for b in local])) for k in local[0]}
         stacked, metrics = step_fn(stacked, batch, lrs)
