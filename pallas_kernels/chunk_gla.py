@@ -16,7 +16,11 @@ Every exponent evaluated is <= 0: off-diagonal sub-chunk blocks (query block i, 
 block j < i, L = 16 rows each) factor e^{b_t - b_s} = e^{b_t - a_i} e^{a_i - b_s} with
 the anchor a_i = b at the first row of block i; diagonal blocks form e^{b_t - b_s} one
 key / query row at a time ([L, Dk] elementwise steps), masked to s <= t before the
-exponential.
+exponential -- unless the block's decay span (b at its first row minus b at its last)
+is at most BlockSizes.diag_matmul_span, where the same anchored factorisation is exact
+and finite and the diagonal block becomes one fp32 matmul (and the off-diagonal
+blocks of a row or column one matmul together). The choice is made per program, at
+run time, so steep gates anywhere stay exact.
 
 Kernels (grid; what each program does):
   _scores_kernel  (NC, H, C/L)    row block i of the intra-chunk matrix A [C, C] (fp32),
@@ -86,7 +90,11 @@ class BlockSizes:
   compute dq / dk in two kernels, the inter-chunk terms per (chunk, Dk block) as
   [C, Dv] x [Dv, BK] matmuls that read the states once, then the intra-chunk terms
   per sub-block; instead of one kernel per sub-block that reads the [BK, Dv] states
-  C / L times and multiplies 16-row tiles.
+  C / L times and multiplies 16-row tiles. diag_matmul_span: a sub-block whose decay
+  over its L rows (b at its first row minus b at its last, per feature) is at most
+  this uses one matmul for its diagonal block too, with factors up to e^span (finite
+  and exact in fp32 / bf16 range up to ~88); steeper ones, or all with 0, take the
+  row-by-row path, whose exponents are all <= 0.
   """
 
   chunk: int = 64
@@ -101,6 +109,7 @@ class BlockSizes:
   # fused dq/dk kernel, 5.27 ms with these two (experiments.profile_kernels).
   diag_unroll: int = 4
   split_dqk: bool = True
+  diag_matmul_span: float = 40.0
 
   def __post_init__(self):
     if self.chunk not in (16, 32, 64, 128):
@@ -113,6 +122,9 @@ class BlockSizes:
       raise ValueError(f"num_warps={self.num_warps} must be a power of 2 <= 16")
     if self.diag_unroll not in (1, 2, 4, 8, 16):
       raise ValueError(f"diag_unroll={self.diag_unroll} must divide {SUB}: 1, 2, 4, 8 or 16")
+    if not 0.0 <= self.diag_matmul_span <= 60.0:
+      raise ValueError(f"diag_matmul_span={self.diag_matmul_span} must be in [0, 60]: "
+                       "e^span scales k rows inside the matmul (fp32 / bf16 overflow at ~88)")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -178,13 +190,26 @@ def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll):
+def _within_span(x, span):
+  """True when every exponent in x is <= span: the sub-block may use one matmul."""
+  return jnp.max(x) <= span
+
+
+def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span):
   """a_ref [L, C] (fp32): rows of query sub-block i of A, i = program_id(2).
 
   A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk] of one
   (chunk, head). Computed once per chunk and reused by the output kernel (A v) and the
   dv kernel (A^T do). One program per sub-block keeps each program's dependent chain
-  short (i small dots, at most C/L - 1, and L diagonal steps).
+  short.
+
+  Anchored at a = b at the first row of i, e^{b_t - b_s} = e^{b_t - a} e^{a - b_s}:
+  both factors are <= 1 for key rows s before i. On the diagonal block e^{a - b_s}
+  grows up to e^{a - b_last}; while that span is at most `span` (BlockSizes.
+  diag_matmul_span), all earlier key blocks are one [L, Dk] x [Dk, C] matmul and the
+  diagonal block one more, with fp32 operands (as the row-by-row path computes it).
+  Steeper sub-blocks take the overflow-free path: one matmul per earlier key block and
+  the diagonal one key row at a time.
   """
   i = pl.program_id(2)
   r0 = i * SUB
@@ -193,27 +218,44 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll):
   anchor = _row(b_ref, r0)
   q_t = qi * jnp.exp(bi - anchor)
 
-  def off_diagonal(j, carry):
-    k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
-    a_ref[:, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
-    return carry
+  mild = _within_span(anchor - bi, span)
 
-  def upper(j, carry):
-    a_ref[:, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
-    return carry
+  @pl.when(mild)
+  def _two_matmuls():
+    key_row = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    # Key rows before i, in one matmul (later rows masked in the exponent, where their
+    # factor could overflow, and in the result) ...
+    k_t = k_ref[...].astype(jnp.float32) * jnp.exp(
+        jnp.where(key_row < r0, anchor - b_ref[...].astype(jnp.float32), 0.0))
+    a = _dot(q_t, k_t, _NT, dtype)                                        # [L, C]
+    a_ref[...] = jnp.where(_iota(1, chunk) < r0, a, 0.0)
+    # ... and the diagonal block with fp32 operands, as the row-by-row path has it.
+    k_i = _rows(k_ref, i) * jnp.exp(anchor - bi)
+    a_ref[:, pl.ds(r0, SUB)] = jnp.where(cols <= _iota(0), _dot(q_t, k_i, _NT, jnp.float32), 0.0)
 
-  lax.fori_loop(0, i, off_diagonal, 0)
-  lax.fori_loop(i + 1, chunk // SUB, upper, 0)
+  @pl.when(jnp.logical_not(mild))
+  def _row_by_row():
+    def off_diagonal(j, carry):
+      k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
+      a_ref[:, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
+      return carry
 
-  # Diagonal block, one key row s at a time: column s of the block is
-  # sum_d q_td k_sd e^{b_td - b_sd} over t >= s, an elementwise [L, Dk] product with
-  # the exponent masked to t >= s before `exp` (so never above 0), reduced over Dk.
-  def diag(s, a):
-    ks, bs = _row(k_ref, r0 + s), _row(b_ref, r0 + s)                   # [1, Dk]
-    col = jnp.sum(qi * ks * _masked_exp(bi - bs, row >= s), axis=1, keepdims=True)
-    return a + jnp.where(cols == s, col, 0.0)
+    def upper(j, carry):
+      a_ref[:, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+      return carry
 
-  a_ref[:, pl.ds(r0, SUB)] = _row_loop(diag, jnp.zeros((SUB, SUB), jnp.float32), unroll)
+    lax.fori_loop(0, i, off_diagonal, 0)
+    lax.fori_loop(i + 1, chunk // SUB, upper, 0)
+
+    # Diagonal block, one key row s at a time: column s of the block is
+    # sum_d q_td k_sd e^{b_td - b_sd} over t >= s, an elementwise [L, Dk] product with
+    # the exponent masked to t >= s before `exp` (so never above 0), reduced over Dk.
+    def diag(s, a):
+      ks, bs = _row(k_ref, r0 + s), _row(b_ref, r0 + s)                 # [1, Dk]
+      col = jnp.sum(qi * ks * _masked_exp(bi - bs, row >= s), axis=1, keepdims=True)
+      return a + jnp.where(cols == s, col, 0.0)
+
+    a_ref[:, pl.ds(r0, SUB)] = _row_loop(diag, jnp.zeros((SUB, SUB), jnp.float32), unroll)
 
 
 # ----------------------------------------------------------------------------------
@@ -298,43 +340,69 @@ def _state_share_of_dgamma(b_ref, h, dh, *, chunk):
   return jnp.exp(_row(b_ref, chunk - 1)) * jnp.sum(h * dh, axis=1).reshape(1, -1)
 
 
-def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll):
+def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll, span):
   """dq, dk [L, BK] of sub-block i plus their intra-chunk terms.
 
-  Off-diagonal sub-blocks are anchored at the first row of i (dq: key blocks j < i)
-  and at the last row of i (dk: query blocks j > i), so every exponent is <= 0; the
-  diagonal block goes one row s at a time: elementwise [L, BK] updates whose only
-  reductions are over the [L, L] tile of dA. da: [C, C] = tril(do v^T) (fp32).
+  da: [C, C] = tril(do v^T) (fp32). dq is anchored at the first row of i (key rows
+  s <= t), dk at the last row of i (query rows t >= s), so that every exponent is <= 0
+  outside the diagonal block. While the sub-block's decay span is at most `span`, the
+  other sub-blocks are one [L, C] x [C, BK] matmul for each of dq, dk and the diagonal
+  block one fp32 [L, L] x [L, BK] matmul; otherwise the other sub-blocks are one matmul
+  each and the diagonal block goes one row s at a time: elementwise [L, BK] updates
+  whose only reductions are over the [L, L] tile of dA.
   """
   r0, ns = i * SUB, chunk // SUB
   bi = _rows(b_ref, i)
   first, end = _row(b_ref, r0), _row(b_ref, r0 + SUB - 1)
 
-  def dq_block(j, acc):
-    k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
-    return acc + _dot(da_ref[pl.ds(r0, SUB), pl.ds(j * SUB, SUB)], k_t, _NN, dtype)
+  def two_matmuls(dq, dk):
+    row = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    b = b_ref[...].astype(jnp.float32)
+    before, after = row < r0, row >= r0 + SUB
+    # The other sub-blocks in one matmul each (rows on the far side of the diagonal
+    # meet dA = 0; they are masked in the exponent only to keep the factor finite) ...
+    k_t = jnp.where(before, k_ref[...].astype(jnp.float32)
+                    * jnp.exp(jnp.where(before, first - b, 0.0)), 0.0)
+    q_t = jnp.where(after, q_ref[...].astype(jnp.float32)
+                    * jnp.exp(jnp.where(after, b - end, 0.0)), 0.0)
+    dq_in = _dot(da_ref[pl.ds(r0, SUB), :], k_t, _NN, dtype)
+    dk_in = _dot(da_ref[:, pl.ds(r0, SUB)], q_t, _TN, dtype)
+    # ... and the diagonal block with fp32 operands: db = q dq - k dk cancels its
+    # t = s terms only if they are not rounded (bf16 operands here tripled dg's error).
+    d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
+    dq_in += _dot(d_a, _rows(k_ref, i) * jnp.exp(first - bi), _NN, jnp.float32)
+    dk_in += _dot(d_a, _rows(q_ref, i) * jnp.exp(bi - end), _TN, jnp.float32)
+    return dq + jnp.exp(bi - first) * dq_in, dk + jnp.exp(end - bi) * dk_in
 
-  def dk_block(j, acc):
-    q_t = _rows(q_ref, j) * jnp.exp(_rows(b_ref, j) - end)
-    return acc + _dot(da_ref[pl.ds(j * SUB, SUB), pl.ds(r0, SUB)], q_t, _TN, dtype)
+  def row_by_row(dq, dk):
+    def dq_block(j, acc):
+      k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
+      return acc + _dot(da_ref[pl.ds(r0, SUB), pl.ds(j * SUB, SUB)], k_t, _NN, dtype)
 
-  zeros = jnp.zeros_like(bi)
-  dq = dq + jnp.exp(bi - first) * lax.fori_loop(0, i, dq_block, zeros)
-  dk = dk + jnp.exp(end - bi) * lax.fori_loop(i + 1, ns, dk_block, zeros)
+    def dk_block(j, acc):
+      q_t = _rows(q_ref, j) * jnp.exp(_rows(b_ref, j) - end)
+      return acc + _dot(da_ref[pl.ds(j * SUB, SUB), pl.ds(r0, SUB)], q_t, _TN, dtype)
 
-  d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
-  rows, cols, row = _iota(0), _iota(1), _iota(0, 1)
+    zeros = jnp.zeros_like(bi)
+    dq = dq + jnp.exp(bi - first) * lax.fori_loop(0, i, dq_block, zeros)
+    dk = dk + jnp.exp(end - bi) * lax.fori_loop(i + 1, ns, dk_block, zeros)
 
-  def diag(s, carry):
-    dq_i, dk_i = carry
-    ks, bs, qs = _row(k_ref, r0 + s), _row(b_ref, r0 + s), _row(q_ref, r0 + s)
-    col = jnp.sum(jnp.where(cols == s, d_a, 0.0), axis=1, keepdims=True)    # dA[:, s]
-    d_row = jnp.sum(jnp.where(rows == s, d_a, 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
-    dq_i = dq_i + col * ks * _masked_exp(bi - bs, row >= s)
-    dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
-    return dq_i, dk_i
+    d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
+    rows, cols, row = _iota(0), _iota(1), _iota(0, 1)
 
-  return _row_loop(diag, (dq, dk), unroll)
+    def diag(s, carry):
+      dq_i, dk_i = carry
+      ks, bs, qs = _row(k_ref, r0 + s), _row(b_ref, r0 + s), _row(q_ref, r0 + s)
+      col = jnp.sum(jnp.where(cols == s, d_a, 0.0), axis=1, keepdims=True)    # dA[:, s]
+      d_row = jnp.sum(jnp.where(rows == s, d_a, 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
+      dq_i = dq_i + col * ks * _masked_exp(bi - bs, row >= s)
+      dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
+      return dq_i, dk_i
+
+    return _row_loop(diag, (dq, dk), unroll)
+
+  mild = jnp.logical_and(_within_span(first - bi, span), _within_span(bi - end, span))
+  return lax.cond(mild, two_matmuls, row_by_row, dq, dk)
 
 
 def _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref):
@@ -346,7 +414,7 @@ def _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref):
 
 
 def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
-                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype, unroll):
+                dq_ref, dk_ref, db_ref, dgamma_ref, *, chunk, dtype, unroll, span):
   """Sub-block i = program_id(3) of one (chunk, head, Dk block), inter and intra terms.
 
   Outputs dq, dk and db [L, BK] (db without its dGamma term) and this sub-block's share
@@ -363,7 +431,7 @@ def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da
              + jnp.where(i == chunk // SUB - 1,
                          _state_share_of_dgamma(b_ref, h, dh, chunk=chunk), 0.0))
   dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, chunk=chunk, dtype=dtype,
-                      unroll=unroll)
+                      unroll=unroll, span=span)
   _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref)
   dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
 
@@ -386,14 +454,14 @@ def _dqk_inter_kernel(valid_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
 
 
 def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, da_ref, dq_in_ref, dk_in_ref,
-                      dq_ref, dk_ref, db_ref, *, chunk, dtype, unroll):
+                      dq_ref, dk_ref, db_ref, *, chunk, dtype, unroll, span):
   """split_dqk, second kernel: sub-block i = program_id(3) of one (chunk, head, Dk
   block) adds the intra-chunk terms to the inter ones (dq_in, dk_in [L, BK], whose
   buffers dq, dk overwrite) and writes db [L, BK] without its dGamma term."""
   valid = valid_ref[pl.program_id(0)] > 0
   i = pl.program_id(3)
   dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq_in_ref[...], dk_in_ref[...],
-                      chunk=chunk, dtype=dtype, unroll=unroll)
+                      chunk=chunk, dtype=dtype, unroll=unroll, span=span)
   _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref)
 
 
@@ -465,7 +533,8 @@ def _scores(q, k, b, bs, interpret):
   """A [NC, H, C, C] fp32 (see _scores_kernel)."""
   nc, c, h, dk = q.shape
   full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, i: (n, 0, hh, 0))
-  kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll)
+  kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll,
+                             span=bs.diag_matmul_span)
   return pl.pallas_call(
       kernel, grid=(nc, h, c // SUB), in_specs=[full_k, full_k, full_k],
       out_specs=pl.BlockSpec((None, None, SUB, c), lambda n, hh, i: (n, hh, i, 0)),
@@ -574,7 +643,8 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
   k_blk, sub_k, d_a = _sub_block_specs(c, bk)
   sub_v = pl.BlockSpec((None, SUB, None, dv), lambda n, hh, kk, i: (n, i, hh, 0))
   state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk, i: (n, hh, kk, 0))
-  kernel = functools.partial(_dqk_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll)
+  kernel = functools.partial(_dqk_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll,
+                             span=bs.diag_matmul_span)
   dq, dk_, db, d_gamma = pl.pallas_call(
       kernel, grid=(nc, h, dk // bk, ns),
       in_specs=[_whole(nc), k_blk, k_blk, k_blk, sub_v, sub_v, state, state, d_a],
@@ -614,7 +684,7 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
 
   k_blk, sub_k, d_a = _sub_block_specs(c, bk)
   kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
-                             unroll=bs.diag_unroll)
+                             unroll=bs.diag_unroll, span=bs.diag_matmul_span)
   dq, dk_, db = pl.pallas_call(
       kernel, grid=(nc, h, dk // bk, ns),
       in_specs=[_whole(nc), k_blk, k_blk, k_blk, d_a, sub_k, sub_k],

@@ -167,11 +167,16 @@ class TestPallasGPU:
       dict(split_dqk=True, block_k=128, dims=(256, 256)),  # inter kernel: block_k 64
       dict(split_dqk=True, chunk=128, dims=(256, 256)),  # too large to split: fused
       dict(split_dqk=False, diag_unroll=1),  # the fused dq/dk kernel
+      dict(diag_matmul_span=0.0),            # every diagonal block row by row
+      dict(diag_matmul_span=60.0, split_dqk=False),  # the largest span allowed
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
     core against its XLA twin (chunk 32: four chunks in two segments and a gap; Dk = 64
-    so that block_k = 32 splits the dq/dk kernel into two Dk blocks)."""
+    so that block_k = 32 splits the dq/dk kernel into two Dk blocks). Chunks 1 and 3
+    have gentler gates (sub-block spans ~3 and ~32-43, around the default threshold of
+    40) and take the diagonal-matmul path where the span allows,
+    the others are steep (spans ~300-450) and go row by row."""
     bs = dict(bs)
     dims = bs.pop("dims", None)
     c, h = bs.pop("chunk", 32), 2
@@ -182,6 +187,7 @@ class TestPallasGPU:
     q, k = (jax.random.normal(kk, shape + (dk,)) for kk in keys[:2])
     v = jax.random.normal(keys[2], shape + (dv,))
     g = -60.0 * jax.random.uniform(keys[3], shape + (dk,)) ** 4   # mostly mild, some steep
+    g = g * jnp.asarray([1.0, 0.01, 1.0, 0.1, 1.0])[None, :, None, None, None]
     h0 = jax.random.normal(keys[4], (2, h, dk, dv))
     cot = jax.random.normal(keys[5], shape + (dv,))
     start, count = jnp.asarray([0, 2], jnp.int32), jnp.asarray([1, 3], jnp.int32)
