@@ -136,13 +136,16 @@ def max_rel_diff(got: dict[str, jax.Array], want: dict[str, jax.Array]) -> dict[
   return out
 
 
-def parse_variant(text: str) -> dict[str, int | bool]:
+def parse_variant(text: str) -> dict[str, int | float | bool]:
   fields = {}
   for item in filter(None, (t.strip() for t in text.split(","))):
     name, _, value = item.partition("=")
     if not value:
       raise ValueError(f"--variants entry {item!r}: expected field=value")
-    fields[name] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+    if value.lower() in ("true", "false"):
+      fields[name] = value.lower() == "true"
+    else:
+      fields[name] = float(value) if "." in value else int(value)
   return fields
 
 

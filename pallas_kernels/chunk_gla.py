@@ -12,19 +12,24 @@ non-increasing), Gamma = b_{C-1} and H the state entering the chunk:
   o_t = (q_t e^{b_t}) H + sum_{s <= t} A_ts v_s,   A_ts = sum_d q_td k_sd e^{b_td - b_sd}
   H'  = e^{Gamma} H + sum_s (k_s e^{Gamma - b_s})^T v_s
 
-Every exponent evaluated is <= 0: off-diagonal sub-chunk blocks (query block i, key
-block j < i, L = 16 rows each) factor e^{b_t - b_s} = e^{b_t - a_i} e^{a_i - b_s} with
-the anchor a_i = b at the first row of block i; diagonal blocks form e^{b_t - b_s} one
-key / query row at a time ([L, Dk] elementwise steps), masked to s <= t before the
-exponential -- unless the block's decay span (b at its first row minus b at its last)
-is at most BlockSizes.diag_matmul_span, where the same anchored factorisation is exact
-and finite and the diagonal block becomes one fp32 matmul (and the off-diagonal
-blocks of a row or column one matmul together). The choice is made per program, at
-run time, so steep gates anywhere stay exact.
+The intra-chunk sums of q_t k_s e^{b_t - b_s} factor through an anchor a as
+(q_t e^{b_t - a}) (k_s e^{a - b_s}); which anchor is safe depends on how steep the
+gates are, so each program picks one of three levels at run time:
+  1. whole chunk: if the chunk's decay span (b at row 0 minus b at any row, per
+     feature) is at most BlockSizes.diag_matmul_span, one matmul anchored at row 0
+     (factors up to e^span, finite), with operands split into bf16 hi + lo halves
+     (_dot_split): db = q dq - k dk cancels the near-diagonal terms, which bf16
+     rounding would not let cancel;
+  2. per 16-row sub-block i (L rows), anchored at its first row a_i: every earlier
+     key block has both factors <= 1 and is one matmul; the diagonal block too (one
+     fp32 matmul) if the sub-block's own span is within the limit;
+  3. otherwise the diagonal block one key / query row at a time ([L, Dk] elementwise
+     steps), the exponent masked to s <= t before the exponential, so never above 0.
+Steep gates anywhere therefore stay exact; GLA-style gates take level 1.
 
 Kernels (grid; what each program does):
-  _scores_kernel  (NC, H, C/L)    row block i of the intra-chunk matrix A [C, C] (fp32),
-                                   kept for the backward pass.
+  _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
+                                   backward pass.
   _local_kernel   (NC, H, nK, nV) each chunk's own contribution to the state after it,
                                    (k e^{Gamma - b})^T v -- or, backward, to the
                                    gradient of the state before it, (q e^b)^T do.
@@ -40,8 +45,8 @@ Kernels (grid; what each program does):
   With BlockSizes.split_dqk, _dqk_kernel's work in two kernels:
   _dqk_inter_kernel (NC, H, nK)   the inter-chunk terms of dq and dk, [C, Dv] x [Dv, BK]
                                    matmuls with the states loaded once, and dGamma.
-  _dqk_intra_kernel (NC, H, nK, C/L) sub-block i adds the intra-chunk terms (from dA)
-                                   in place and writes db.
+  _dqk_intra_kernel (NC, H, nK)   adds the intra-chunk terms (from dA) in place and
+                                   writes db.
 The gates enter as b = cumsum(g) computed outside the custom_vjp, so XLA's transpose
 of the cumsum turns db into dg (dg_u = sum_{t >= u} db_t).
 
@@ -89,12 +94,12 @@ class BlockSizes:
   small dependent steps; unrolling gives the scheduler independent work). split_dqk:
   compute dq / dk in two kernels, the inter-chunk terms per (chunk, Dk block) as
   [C, Dv] x [Dv, BK] matmuls that read the states once, then the intra-chunk terms
-  per sub-block; instead of one kernel per sub-block that reads the [BK, Dv] states
-  C / L times and multiplies 16-row tiles. diag_matmul_span: a sub-block whose decay
-  over its L rows (b at its first row minus b at its last, per feature) is at most
-  this uses one matmul for its diagonal block too, with factors up to e^span (finite
-  and exact in fp32 / bf16 range up to ~88); steeper ones, or all with 0, take the
-  row-by-row path, whose exponents are all <= 0.
+  per chunk; instead of one kernel per sub-block that reads the [BK, Dv] states
+  C / L times and multiplies 16-row tiles. diag_matmul_span: the largest decay span
+  (nats of b, per feature) over which a chunk, or else a sub-block, is multiplied in
+  one anchored matmul, with factors up to e^span (finite in fp32 / bf16 up to ~88);
+  steeper sub-blocks, or all with 0, go row by row, with exponents <= 0 (module
+  docstring: the three levels).
   """
 
   chunk: int = 64
@@ -195,29 +200,86 @@ def _within_span(x, span):
   return jnp.max(x) <= span
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span):
-  """a_ref [L, C] (fp32): rows of query sub-block i of A, i = program_id(2).
+def _dot_split(a, b, contract, dtype):
+  """a . b for fp32 a, b to about 16 mantissa bits, on bf16 tensor cores.
 
-  A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk] of one
-  (chunk, head). Computed once per chunk and reused by the output kernel (A v) and the
-  dv kernel (A^T do). One program per sub-block keeps each program's dependent chain
-  short.
+  Each operand is split as hi + lo (two bf16 parts) and three products are summed
+  (lo . lo, ~2^-16 relative, is dropped); IEEE fp32 for fp32 inputs. Used where the
+  whole chunk goes through one matmul: its diagonal blocks must not be rounded to bf16,
+  since db = q dq - k dk cancels their near-diagonal terms (bf16 operands there
+  tripled dg's error).
+  """
+  if dtype == jnp.float32:
+    return _dot(a, b, contract, jnp.float32)
+  split = lambda x: (x.astype(jnp.bfloat16),
+                     (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
+  (ah, al), (bh, bl) = split(a), split(b)
+  dot = lambda x, y: lax.dot_general(x, y, (contract, ((), ())),
+                                     preferred_element_type=jnp.float32)
+  return dot(ah, bh) + (dot(ah, bl) + dot(al, bh))
+
+
+def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block):
+  """whole(b at row 0) where the chunk's decay span b_0 - b is <= span everywhere
+  (and whole_chunk, a static shared-memory verdict), else sub_block(i) for each
+  sub-block i in turn."""
+  def by_sub_block():
+    def body(i, carry):
+      sub_block(i)
+      return carry
+    lax.fori_loop(0, chunk // SUB, body, 0)
+
+  if not whole_chunk:
+    by_sub_block()
+    return
+  first = _row(b_ref, 0)
+  mild = _within_span(first - b_ref[...].astype(jnp.float32), span)
+  pl.when(jnp.logical_not(mild))(by_sub_block)
+  pl.when(mild)(lambda: whole(first))
+
+
+def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span,
+                   whole_chunk):
+  """a_ref [C, C] (fp32): the intra-chunk matrix A of one (chunk, head).
+
+  A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk].
+  Computed once per chunk and reused by the output kernel (A v) and the dv kernel
+  (A^T do). Where the chunk's decay span is at most `span` (BlockSizes.
+  diag_matmul_span), A is one matmul anchored at row 0,
+  (q e^{b - b_0}) (k e^{b_0 - b})^T, with factors up to e^span; otherwise sub-block by
+  sub-block (_score_rows). whole_chunk=False (static: the chunk's operands would not
+  fit in shared memory, see _fits_whole_chunk) always goes sub-block by sub-block.
+  """
+  def whole(first):
+    b = b_ref[...].astype(jnp.float32)
+    a = _dot_split(q_ref[...].astype(jnp.float32) * jnp.exp(b - first),
+                   k_ref[...].astype(jnp.float32) * jnp.exp(first - b), _NT, dtype)
+    rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    a_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) <= rows, a, 0.0)
+
+  _by_chunk_or_sub_block(
+      b_ref, chunk=chunk, span=span, whole_chunk=whole_chunk, whole=whole,
+      sub_block=functools.partial(_score_rows, q_ref, k_ref, b_ref, a_ref, chunk=chunk,
+                                  dtype=dtype, unroll=unroll, span=span))
+
+
+def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
+  """Rows of query sub-block i of A (see _scores_kernel), written to a_ref [C, C].
 
   Anchored at a = b at the first row of i, e^{b_t - b_s} = e^{b_t - a} e^{a - b_s}:
   both factors are <= 1 for key rows s before i. On the diagonal block e^{a - b_s}
-  grows up to e^{a - b_last}; while that span is at most `span` (BlockSizes.
-  diag_matmul_span), all earlier key blocks are one [L, Dk] x [Dk, C] matmul and the
-  diagonal block one more, with fp32 operands (as the row-by-row path computes it).
-  Steeper sub-blocks take the overflow-free path: one matmul per earlier key block and
-  the diagonal one key row at a time.
+  grows up to e^{a - b_last}; while that span is at most `span`, all earlier key
+  blocks are one [L, Dk] x [Dk, C] matmul and the diagonal block one more, with fp32
+  operands (as the row-by-row path computes it). Steeper sub-blocks take the
+  overflow-free path: one matmul per earlier key block and the diagonal one key row at
+  a time.
   """
-  i = pl.program_id(2)
   r0 = i * SUB
+  rows_i = pl.ds(r0, SUB)
   cols, row = _iota(1), _iota(0, 1)
   qi, bi = _rows(q_ref, i), _rows(b_ref, i)
   anchor = _row(b_ref, r0)
   q_t = qi * jnp.exp(bi - anchor)
-
   mild = _within_span(anchor - bi, span)
 
   @pl.when(mild)
@@ -228,20 +290,21 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span):
     k_t = k_ref[...].astype(jnp.float32) * jnp.exp(
         jnp.where(key_row < r0, anchor - b_ref[...].astype(jnp.float32), 0.0))
     a = _dot(q_t, k_t, _NT, dtype)                                        # [L, C]
-    a_ref[...] = jnp.where(_iota(1, chunk) < r0, a, 0.0)
+    a_ref[rows_i, :] = jnp.where(_iota(1, chunk) < r0, a, 0.0)
     # ... and the diagonal block with fp32 operands, as the row-by-row path has it.
     k_i = _rows(k_ref, i) * jnp.exp(anchor - bi)
-    a_ref[:, pl.ds(r0, SUB)] = jnp.where(cols <= _iota(0), _dot(q_t, k_i, _NT, jnp.float32), 0.0)
+    a_ref[rows_i, rows_i] = jnp.where(cols <= _iota(0),
+                                      _dot(q_t, k_i, _NT, jnp.float32), 0.0)
 
   @pl.when(jnp.logical_not(mild))
   def _row_by_row():
     def off_diagonal(j, carry):
       k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
-      a_ref[:, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
+      a_ref[rows_i, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
       return carry
 
     def upper(j, carry):
-      a_ref[:, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+      a_ref[rows_i, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
       return carry
 
     lax.fori_loop(0, i, off_diagonal, 0)
@@ -255,7 +318,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span):
       col = jnp.sum(qi * ks * _masked_exp(bi - bs, row >= s), axis=1, keepdims=True)
       return a + jnp.where(cols == s, col, 0.0)
 
-    a_ref[:, pl.ds(r0, SUB)] = _row_loop(diag, jnp.zeros((SUB, SUB), jnp.float32), unroll)
+    a_ref[rows_i, rows_i] = _row_loop(diag, jnp.zeros((SUB, SUB), jnp.float32), unroll)
 
 
 # ----------------------------------------------------------------------------------
@@ -405,12 +468,11 @@ def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll, 
   return lax.cond(mild, two_matmuls, row_by_row, dq, dk)
 
 
-def _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref):
-  """dq, dk and db = q dq - k dk (without its dGamma term) of sub-block i."""
-  qi, ki = _rows(q_ref, i), _rows(k_ref, i)
-  dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
-  dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
-  db_ref[...] = jnp.where(valid, qi * dq - ki * dk, 0.0).astype(db_ref.dtype)
+def _write_dqkb(valid, q, k, dq, dk, dq_ref, dk_ref, db_ref, rows=slice(None)):
+  """dq, dk and db = q dq - k dk (without its dGamma term), at `rows` of the refs."""
+  dq_ref[rows, :] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
+  dk_ref[rows, :] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
+  db_ref[rows, :] = jnp.where(valid, q * dq - k * dk, 0.0).astype(db_ref.dtype)
 
 
 def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
@@ -432,7 +494,7 @@ def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da
                          _state_share_of_dgamma(b_ref, h, dh, chunk=chunk), 0.0))
   dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, chunk=chunk, dtype=dtype,
                       unroll=unroll, span=span)
-  _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref)
+  _write_dqkb(valid, _rows(q_ref, i), _rows(k_ref, i), dq, dk, dq_ref, dk_ref, db_ref)
   dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
 
 
@@ -454,15 +516,39 @@ def _dqk_inter_kernel(valid_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
 
 
 def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, da_ref, dq_in_ref, dk_in_ref,
-                      dq_ref, dk_ref, db_ref, *, chunk, dtype, unroll, span):
-  """split_dqk, second kernel: sub-block i = program_id(3) of one (chunk, head, Dk
-  block) adds the intra-chunk terms to the inter ones (dq_in, dk_in [L, BK], whose
-  buffers dq, dk overwrite) and writes db [L, BK] without its dGamma term."""
+                      dq_ref, dk_ref, db_ref, *, chunk, dtype, unroll, span,
+                      whole_chunk):
+  """split_dqk, second kernel: one (chunk, head, Dk block) adds the intra-chunk terms
+  to the inter ones (dq_in, dk_in [C, BK], whose buffers dq, dk overwrite) and writes
+  db [C, BK] without its dGamma term. q, k, b: [C, BK]; da: [C, C] = tril(do v^T).
+
+  Where the chunk's decay span (over these BK features) is at most `span`, each of dq
+  and dk is one matmul anchored at row 0: dq = e^{b - b_0} (dA (k e^{b_0 - b})) and
+  dk = e^{b_0 - b} (dA^T (q e^{b - b_0})); otherwise sub-block by sub-block
+  (_add_intra), as always with whole_chunk=False (static, see _fits_whole_chunk). Each
+  program reads rows of dq_in / dk_in before it writes the same rows.
+  """
   valid = valid_ref[pl.program_id(0)] > 0
-  i = pl.program_id(3)
-  dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq_in_ref[...], dk_in_ref[...],
-                      chunk=chunk, dtype=dtype, unroll=unroll, span=span)
-  _write_dqkb(valid, q_ref, k_ref, i, dq, dk, dq_ref, dk_ref, db_ref)
+
+  def whole(first):
+    b = b_ref[...].astype(jnp.float32)
+    q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
+    decay, growth = jnp.exp(b - first), jnp.exp(first - b)
+    d_a = da_ref[...]
+    dq = dq_in_ref[...] + decay * _dot_split(d_a, k * growth, _NN, dtype)
+    dk = dk_in_ref[...] + growth * _dot_split(d_a, q * decay, _TN, dtype)
+    _write_dqkb(valid, q, k, dq, dk, dq_ref, dk_ref, db_ref)
+
+  def sub_block(i):
+    rows = pl.ds(i * SUB, SUB)
+    dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq_in_ref[rows, :],
+                        dk_in_ref[rows, :], chunk=chunk, dtype=dtype, unroll=unroll,
+                        span=span)
+    _write_dqkb(valid, _rows(q_ref, i), _rows(k_ref, i), dq, dk, dq_ref, dk_ref, db_ref,
+                rows)
+
+  _by_chunk_or_sub_block(b_ref, chunk=chunk, span=span, whole_chunk=whole_chunk,
+                         whole=whole, sub_block=sub_block)
 
 
 # ----------------------------------------------------------------------------------
@@ -532,12 +618,13 @@ def _dstates(q, do, b, dfinal, start, count, bs, interpret):
 def _scores(q, k, b, bs, interpret):
   """A [NC, H, C, C] fp32 (see _scores_kernel)."""
   nc, c, h, dk = q.shape
-  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh, i: (n, 0, hh, 0))
+  full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh: (n, 0, hh, 0))
   kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll,
-                             span=bs.diag_matmul_span)
+                             span=bs.diag_matmul_span,
+                             whole_chunk=_fits_whole_chunk(c, dk, c))
   return pl.pallas_call(
-      kernel, grid=(nc, h, c // SUB), in_specs=[full_k, full_k, full_k],
-      out_specs=pl.BlockSpec((None, None, SUB, c), lambda n, hh, i: (n, hh, i, 0)),
+      kernel, grid=(nc, h), in_specs=[full_k, full_k, full_k],
+      out_specs=pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
       compiler_params=_params(bs), interpret=interpret, name="gla_scores",
   )(q, k, b)
@@ -607,6 +694,17 @@ def _sub_block_specs(c, bk):
 # Shared memory per block on Hopper (H100 / H200): 227 KiB. Triton reports a tile that
 # needs more only when the kernel is compiled, with a RESOURCE_EXHAUSTED error.
 _SMEM_BYTES = 227 * 1024
+
+
+def _fits_whole_chunk(c: int, inner: int, cols: int) -> bool:
+  """Whether a whole-chunk matmul [C, inner] x [inner, cols] fits in shared memory.
+
+  Its operands are staged there, 4 bytes per element either way (fp32, or the bf16
+  hi / lo halves of _dot_split); an fp32 [C, C] tile is counted on top as a margin.
+  On the H200 the scores kernel at C = 128 and Dk = 256 asked for 262,144 bytes, the
+  two operands exactly, and failed; at C = 128 and Dk = 128 it compiled.
+  """
+  return 4 * c * inner + 4 * inner * cols + 4 * c * c <= _SMEM_BYTES
 
 
 def _inter_block_k(c: int, bk: int, dv: int, itemsize: int) -> int | None:
@@ -682,18 +780,20 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_inter",
   )(valid, k, b, v, do, h_start, dh)
 
-  k_blk, sub_k, d_a = _sub_block_specs(c, bk)
+  k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk: (n, 0, hh, kk))
+  d_a = pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0))
   kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
-                             unroll=bs.diag_unroll, span=bs.diag_matmul_span)
+                             unroll=bs.diag_unroll, span=bs.diag_matmul_span,
+                             whole_chunk=_fits_whole_chunk(c, c, bk))
   dq, dk_, db = pl.pallas_call(
-      kernel, grid=(nc, h, dk // bk, ns),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk, d_a, sub_k, sub_k],
-      out_specs=[sub_k, sub_k, sub_k],
+      kernel, grid=(nc, h, dk // bk),
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, d_a, k_blk, k_blk],
+      out_specs=[k_blk, k_blk, k_blk],
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(b.shape, jnp.float32)],
-      # Each program reads its own [L, BK] rows of the inter terms before writing the
-      # same rows of dq / dk: the buffers can be reused.
+      # Each program reads rows of the inter terms before writing the same rows of
+      # dq / dk: the buffers can be reused.
       input_output_aliases={5: 0, 6: 1},
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
   )(valid, q, k, b, _output_scores(do, v), dq_inter, dk_inter)

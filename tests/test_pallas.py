@@ -297,10 +297,14 @@ def test_profile_kernels_runs_every_kernel():
         x, pallas_chunk_gla.BlockSizes(chunk=32, split_dqk=True), True)
   diff = profile_kernels.max_rel_diff(split, fused)
   assert set(diff) == {"o", "dq", "dk", "dv", "dg"}
-  assert max(diff.values()) < 1e-3, diff
+  # The split's intra kernel multiplies whole chunks with ~16-bit operands, the fused
+  # kernel's off-diagonal blocks with bf16 ones: the bf16 outputs differ by about an ulp
+  # (2^-8 of the largest values).
+  assert max(diff.values()) < 1e-2, diff
   wrong = dict(split, dk=-split["dk"])
   assert profile_kernels.max_rel_diff(wrong, fused)["dk"] > 1.0
-  assert profile_kernels.parse_variant("num_warps=8, recompute_states=true") == dict(
-      num_warps=8, recompute_states=True)
+  assert profile_kernels.parse_variant(
+      "num_warps=8, recompute_states=true, diag_matmul_span=12.5") == dict(
+          num_warps=8, recompute_states=True, diag_matmul_span=12.5)
   with pytest.raises(ValueError, match="field=value"):
     profile_kernels.parse_variant("num_warps")
