@@ -405,3 +405,27 @@ def test_make_source_dispatch_and_errors():
     data.make_source(dict(kind="mqar", num_pair=4))
   with pytest.raises(ValueError, match="split='dev'"):
     data.make_source(dict(kind="mqar"), split="dev")
+
+
+def test_pipeline_worker_processes_give_the_same_batches_and_resume():
+  """num_workers > 0 (grain worker processes): the batches of the in-process pipeline,
+  in order, and an iterator state that resumes on the next one."""
+  cfg = dict(kind="mqar", vocab_size=128, num_pairs=8, seq_len=40, gap_mode="noise",
+             gap_len=4)
+  make = lambda workers: data.make_dataset(data.make_source(cfg), batch_size=8, seed=3,
+                                           shuffle=True, num_workers=workers)
+  plain = iter(make(0))
+  want = [next(plain) for _ in range(7)]
+  it = iter(make(2))
+  got = [next(it) for _ in range(4)]
+  state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
+  got += [next(it) for _ in range(3)]
+  resumed = iter(make(2))
+  resumed.set_state(state)
+  got.append(next(resumed))
+  for i, (g, w) in enumerate(zip(got, want + [want[4]])):
+    for k in ("inputs", "targets", "weights"):
+      np.testing.assert_array_equal(g[k], w[k], err_msg=f"batch {i}, {k}")
+  del plain, it, resumed  # stops the worker processes now
+  with pytest.raises(ValueError, match="num_workers=-1"):
+    make(-1)

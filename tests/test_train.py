@@ -93,6 +93,7 @@ def test_default_config_is_valid_and_documented():
 
 @pytest.mark.parametrize("field,value,message", [
     ("batch_size", 0, "batch_size=0 must be an integer >= 1"),
+    ("data_workers", -1, "data_workers=-1 must be an integer >= 0"),
     ("lr", 0.0, "lr=0.0 must be > 0"),
     ("compute_dtype", "float16", "compute_dtype='float16' must be one of"),
     ("min_lr_ratio", 2.0, "min_lr_ratio=2.0 must lie in"),

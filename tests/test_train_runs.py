@@ -170,8 +170,8 @@ def test_loss_decreases_on_mqar(ref):
 # --- resume ----------------------------------------------------------------------------
 
 
-def params_of(workdir, step):
-  state, got = train.load_state(ref_config(), str(workdir), step)
+def params_of(workdir, step, config=None):
+  state, got = train.load_state(config or ref_config(), str(workdir), step)
   assert got == step
   return jax.device_get(state)
 
@@ -206,6 +206,20 @@ def test_killed_run_resumes_bitwise(ref, tmp_path, env):
   again = train.train_and_evaluate(config, str(tmp_path / "w"))
   assert again["resumed_from"] == STEPS and again["history"] == resumed["history"]
   assert again["eval"] == resumed["eval"] and again["steps_per_s"] is None
+
+
+def test_data_worker_processes_train_the_same_run(ref, tmp_path, env):
+  """data_workers=2 (batches made in two worker processes): a run stopped at step 14
+  and resumed from its step-10 checkpoint, worker-iterator state included, ends bit
+  for bit where the reference run (batches made in process) ends."""
+  config = ref_config()
+  config.data_workers = 2
+  assert not run(config, tmp_path / "w", env, "--stop_after=14")["finished"]
+  resumed = run(config, tmp_path / "w", env)
+  assert resumed["resumed_from"] == 10 and resumed["finished"]
+  a, b = params_of(ref, STEPS), params_of(tmp_path / "w", STEPS, config)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
 
 
 def copy_ref(ref, tmp_path) -> pathlib.Path:

@@ -104,11 +104,11 @@ def make_source(config: Any, split: str | None = None):
 def make_dataset(source, *, batch_size: int, seed: int, shuffle: bool,
                  num_epochs: int | None = None, process_index: int | None = None,
                  process_count: int | None = None, num_threads: int = 2,
-                 prefetch_buffer_size: int = 8):
+                 prefetch_buffer_size: int = 8, num_workers: int = 0):
   """grain IterDataset of batches from `source` for this process.
 
   Steps: per-process shard -> (seeded shuffle) -> repeat num_epochs (None: forever) ->
-  batch with drop_remainder -> threaded prefetch.
+  batch with drop_remainder -> threaded prefetch (-> `num_workers` worker processes).
 
   * Sharding: the source is cut to a multiple of process_count and process p takes the
     strided slice p::count, so shards are disjoint and equally long (every process yields
@@ -121,6 +121,10 @@ def make_dataset(source, *, batch_size: int, seed: int, shuffle: bool,
     grain.checkpoint.CheckpointSave / CheckpointRestore. The state holds only a position:
     restoring it into a pipeline built with other arguments does not fail, it silently
     reads other data, so store the data config next to it.
+  * num_workers > 0 makes the batches in that many worker processes (grain's
+    mp_prefetch): the same batches in the same order, for hosts where one Python thread
+    cannot generate them as fast as a small GPU model trains. Its iterator state has
+    another format: resume with the same num_workers.
   process_index / process_count default to jax's; set them to simulate other processes.
   """
   try:
@@ -136,6 +140,8 @@ def make_dataset(source, *, batch_size: int, seed: int, shuffle: bool,
                      f"process_count={count} (it is the global batch)")
   if num_epochs is not None and num_epochs < 1:
     raise ValueError(f"num_epochs={num_epochs}: must be >= 1 or None (forever)")
+  if not isinstance(num_workers, int) or num_workers < 0:
+    raise ValueError(f"num_workers={num_workers!r}: must be an integer >= 0")
   local_batch = batch_size // count
 
   # The shard / shuffle / repeat / batch steps act on example indices, and a batch of
@@ -152,8 +158,17 @@ def make_dataset(source, *, batch_size: int, seed: int, shuffle: bool,
   if num_epochs != 1:
     ds = ds.repeat(num_epochs)
   ds = ds.batch(local_batch, drop_remainder=True).map(BatchReader(source))
-  return ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads,
-                                              prefetch_buffer_size=prefetch_buffer_size))
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads,
+                                            prefetch_buffer_size=prefetch_buffer_size))
+  if num_workers:
+    # grain reads one of its absl flags when it starts workers; outside an absl app
+    # (a notebook, pytest) nothing has parsed them, so take their defaults.
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+        num_workers=num_workers, per_worker_buffer_size=max(1, prefetch_buffer_size // 2)))
+  return ds
 
 
 class BatchReader:

@@ -47,6 +47,9 @@ def default_config():
                     `data` already reads the validation split, with seed + 1 [None]
   seed              model init, data shuffling and the training RNG [0]
   batch_size        GLOBAL batch: sequences per step over all processes and devices [32]
+  data_workers      processes making the training batches (0: threads of this process);
+                    the same batches either way, but the data-iterator state in a
+                    checkpoint has another format, so a run resumes with its own [0]
   num_steps         optimizer steps; also the length of the cosine schedule, so it must
                     stay fixed when a run is resumed [1000]
   lr                peak learning rate, reached after `warmup_steps` [3e-3]
@@ -84,7 +87,8 @@ def default_config():
                gla=None, attention=None, tie_embeddings=True, aux_loss_coef=0.01,
                remat=None)
   return ml_collections.ConfigDict(dict(
-      model=model, data=data, eval_data=None, seed=0, batch_size=32, num_steps=1000,
+      model=model, data=data, eval_data=None, seed=0, batch_size=32, data_workers=0,
+      num_steps=1000,
       lr=3e-3, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95,
       eps=1e-8, grad_clip=1.0, compute_dtype="bfloat16", param_dtype="float32",
       eval_every=200, eval_batches=8, log_every=50, checkpoint_every=200,
@@ -118,7 +122,7 @@ def validate(config) -> None:
     value = config[field]
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       _fail(field, value, "must be an integer >= 1")
-  for field in ("seed", "warmup_steps", "eval_every", "checkpoint_every"):
+  for field in ("seed", "data_workers", "warmup_steps", "eval_every", "checkpoint_every"):
     value = config[field]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       _fail(field, value, "must be an integer >= 0")

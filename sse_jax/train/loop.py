@@ -53,7 +53,7 @@ def _as_config(config):
 def _datasets(config):
   from sse_jax.data import make_dataset, make_source  # pylint: disable=g-import-not-at-top
   train = make_dataset(make_source(config.data), batch_size=config.batch_size,
-                       seed=config.seed, shuffle=True)
+                       seed=config.seed, shuffle=True, num_workers=config.data_workers)
   # The same shuffled subset of the eval stream every time (one pass, no repeats).
   evals = make_dataset(make_source(config_lib.eval_data_config(config)),
                        batch_size=config.batch_size, seed=config.seed, shuffle=True,
