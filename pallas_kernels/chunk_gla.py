@@ -270,7 +270,7 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
   both factors are <= 1 for key rows s before i. On the diagonal block e^{a - b_s}
   grows up to e^{a - b_last}; while that span is at most `span`, all earlier key
   blocks are one [L, Dk] x [Dk, C] matmul and the diagonal block one more, with fp32
-  operands (as the row-by-row path computes it). Steeper sub-blocks take the
+  operands (as the row-by-row path computes it), over zeroed rows elsewhere. Steeper sub-blocks take the
   overflow-free path: one matmul per earlier key block and the diagonal one key row at
   a time.
   """
@@ -285,16 +285,19 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
   @pl.when(mild)
   def _two_matmuls():
     key_row = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    # Key rows before i, in one matmul (later rows masked in the exponent, where their
-    # factor could overflow, and in the result) ...
+    before, after = key_row < r0, key_row >= r0 + SUB
+    # Key rows after i are masked in the exponent (their factor could overflow) and
+    # in the result (they are above the diagonal).
     k_t = k_ref[...].astype(jnp.float32) * jnp.exp(
-        jnp.where(key_row < r0, anchor - b_ref[...].astype(jnp.float32), 0.0))
-    a = _dot(q_t, k_t, _NT, dtype)                                        # [L, C]
-    a_ref[rows_i, :] = jnp.where(_iota(1, chunk) < r0, a, 0.0)
-    # ... and the diagonal block with fp32 operands, as the row-by-row path has it.
-    k_i = _rows(k_ref, i) * jnp.exp(anchor - bi)
-    a_ref[rows_i, rows_i] = jnp.where(cols <= _iota(0),
-                                      _dot(q_t, k_i, _NT, jnp.float32), 0.0)
+        jnp.where(after, 0.0, anchor - b_ref[...].astype(jnp.float32)))
+    # Key rows before i with `dtype` operands; those of i with fp32 operands, as the
+    # row-by-row path has them. Both [L, C], so that the row block is one store: two
+    # overlapping stores from one program could land in either order.
+    a_before = _dot(q_t, jnp.where(before, k_t, 0.0), _NT, dtype)
+    a_diag = _dot(q_t, jnp.where(before | after, 0.0, k_t), _NT, jnp.float32)
+    key_col = _iota(1, chunk)
+    a_ref[rows_i, :] = jnp.where(key_col < r0, a_before,
+                                 jnp.where(key_col <= r0 + _iota(0, chunk), a_diag, 0.0))
 
   @pl.when(jnp.logical_not(mild))
   def _row_by_row():
