@@ -196,7 +196,7 @@ def _masked_exp(x, mask):
 
 
 def _within_span(x, span):
-  """True when every exponent in x is <= span: the sub-block may use one matmul."""
+  """True when every exponent in x is <= span: the block may use one anchored matmul."""
   return jnp.max(x) <= span
 
 
@@ -211,8 +211,10 @@ def _dot_split(a, b, contract, dtype):
   """
   if dtype == jnp.float32:
     return _dot(a, b, contract, jnp.float32)
-  split = lambda x: (x.astype(jnp.bfloat16),
-                     (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
+  def split(x):
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
   (ah, al), (bh, bl) = split(a), split(b)
   dot = lambda x, y: lax.dot_general(x, y, (contract, ((), ())),
                                      preferred_element_type=jnp.float32)
@@ -220,9 +222,9 @@ def _dot_split(a, b, contract, dtype):
 
 
 def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block):
-  """whole(b at row 0) where the chunk's decay span b_0 - b is <= span everywhere
-  (and whole_chunk, a static shared-memory verdict), else sub_block(i) for each
-  sub-block i in turn."""
+  """whole(b_0, b) where the chunk's decay span b_0 - b is <= span everywhere (and
+  whole_chunk, a static shared-memory verdict), else sub_block(i) for each sub-block i
+  in turn. b: the chunk's [C, D] fp32 gates, loaded once for the check and for whole."""
   def by_sub_block():
     def body(i, carry):
       sub_block(i)
@@ -232,10 +234,10 @@ def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block)
   if not whole_chunk:
     by_sub_block()
     return
-  first = _row(b_ref, 0)
-  mild = _within_span(first - b_ref[...].astype(jnp.float32), span)
+  first, b = _row(b_ref, 0), b_ref[...].astype(jnp.float32)
+  mild = _within_span(first - b, span)
   pl.when(jnp.logical_not(mild))(by_sub_block)
-  pl.when(mild)(lambda: whole(first))
+  pl.when(mild)(lambda: whole(first, b))
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span,
@@ -250,8 +252,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span,
   sub-block (_score_rows). whole_chunk=False (static: the chunk's operands would not
   fit in shared memory, see _fits_whole_chunk) always goes sub-block by sub-block.
   """
-  def whole(first):
-    b = b_ref[...].astype(jnp.float32)
+  def whole(first, b):
     a = _dot_split(q_ref[...].astype(jnp.float32) * jnp.exp(b - first),
                    k_ref[...].astype(jnp.float32) * jnp.exp(first - b), _NT, dtype)
     rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
@@ -270,9 +271,9 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
   both factors are <= 1 for key rows s before i. On the diagonal block e^{a - b_s}
   grows up to e^{a - b_last}; while that span is at most `span`, all earlier key
   blocks are one [L, Dk] x [Dk, C] matmul and the diagonal block one more, with fp32
-  operands (as the row-by-row path computes it), over zeroed rows elsewhere. Steeper sub-blocks take the
-  overflow-free path: one matmul per earlier key block and the diagonal one key row at
-  a time.
+  operands (as the row-by-row path computes it), over zeroed rows elsewhere. Steeper
+  sub-blocks take the overflow-free path: one matmul per earlier key block and the
+  diagonal one key row at a time.
   """
   r0 = i * SUB
   rows_i = pl.ds(r0, SUB)
@@ -533,8 +534,7 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, da_ref, dq_in_ref, dk_in_r
   """
   valid = valid_ref[pl.program_id(0)] > 0
 
-  def whole(first):
-    b = b_ref[...].astype(jnp.float32)
+  def whole(first, b):
     q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
     decay, growth = jnp.exp(b - first), jnp.exp(first - b)
     d_a = da_ref[...]
