@@ -6,8 +6,8 @@ r"""Times each Pallas kernel of the chunked GLA on its own (dense, one segment p
 
 Setting of the op benchmark (bf16, 8 heads, head dim 128, two sequences of L/2 packed
 as two segments of whole chunks). For the default `BlockSizes` it times every kernel
-separately under `jit` (scores, local, sweep, outputs, dv, dq/dk with its dA matmul),
-then the whole core (`pallas_kernels.chunk_gla.chunk_gla`, forward and forward +
+separately under `jit` (scores, states -- the fused state walk -- and its unfused
+form local + sweep, outputs, dv, dq/dk with its dA matmul), then the whole core (`pallas_kernels.chunk_gla.chunk_gla`, forward and forward +
 backward); each `--variants` entry (comma-separated BlockSizes fields) times the whole
 core only, and compares its output and gradients (o, dq, dk, dv, dg) with the
 defaults': max |variant - defaults| / max |defaults| per array, so a variant that is
@@ -81,6 +81,8 @@ def per_kernel(x, bs, interpret, reps):
   local = jit(lambda k, b, v: k_._local(k, b, v, bs, interpret, True))  # pylint: disable=protected-access
   fns = {  # pylint: disable=protected-access
       "scores": (jit(lambda q, k, b: k_._scores(q, k, b, bs, interpret)), (x["q"], x["k"], x["b"])),
+      "states": (jit(lambda k, b, v, h0, s, c: k_._fused_states(k, b, v, h0, s, c, bs, interpret, False)),
+                 (x["k"], x["b"], x["v"], x["h0"], start, count)),
       "local": (local, (x["k"], x["b"], x["v"])),
       "sweep": (jit(lambda d, l, h0, s, c: k_._sweep(d, l, h0, s, c, bs, interpret, False)),
                 (decay, local(x["k"], x["b"], x["v"]), x["h0"], start, count)),

@@ -115,6 +115,7 @@ class BlockSizes:
   diag_unroll: int = 4
   split_dqk: bool = True
   diag_matmul_span: float = 40.0
+  fused_states: bool = True
 
   def __post_init__(self):
     if self.chunk not in (16, 32, 64, 128):
@@ -341,6 +342,27 @@ def _local_kernel(x_ref, b_ref, z_ref, out_ref, *, chunk, dtype, to_end):
   out_ref[...] = _dot(x_ref[...].astype(jnp.float32) * jnp.exp(u), z_ref[...], _TN, dtype)
 
 
+def _walk(start, count, nc, reverse, load, step, init):
+  """carry = step(c, loaded, carry) over the chunks c of one segment, in order (or in
+  reverse), with chunk c's inputs `load(c)` issued one step ahead.
+
+  The walk is the op's one sequential chain, and each of its steps would otherwise
+  wait on its own loads (a global-memory round trip, ~1 us): here the loads of the
+  next chunk are a loop carry, in flight while this chunk's step runs. The prefetch
+  past the last chunk is clamped to a valid chunk and never used.
+  """
+  def chunk_at(n):
+    n = jnp.minimum(n, count - 1)
+    return jnp.clip(start + (count - 1 - n if reverse else n), 0, nc - 1)
+
+  def body(n, carry):
+    loaded, acc = carry
+    nxt = load(chunk_at(n + 1))
+    return nxt, step(chunk_at(n), loaded, acc)
+
+  return lax.fori_loop(0, count, body, (load(chunk_at(0)), init))[1]
+
+
 def _sweep_kernel(start_ref, count_ref, decay_ref, local_ref, init_ref, seq_ref,
                   last_ref, *, reverse):
   """Walks the chunks of segment z: seq_ref[c] = S, then S = diag(decay_c) S + local_c.
@@ -352,14 +374,43 @@ def _sweep_kernel(start_ref, count_ref, decay_ref, local_ref, init_ref, seq_ref,
   decay_ref [NC, BK]; local_ref, seq_ref [NC, BK, BV]; init_ref, last_ref [BK, BV].
   """
   z = pl.program_id(0)
-  start, count = start_ref[z], count_ref[z]
 
-  def body(n, s):
-    c = start + (count - 1 - n if reverse else n)
+  def load(c):
+    return decay_ref[pl.ds(c, 1), :], local_ref[c]
+
+  def step(c, loaded, s):
+    decay, local = loaded
     seq_ref[c] = s
-    return decay_ref[pl.ds(c, 1), :].reshape(-1, 1) * s + local_ref[c]
+    return decay.reshape(-1, 1) * s + local
 
-  last_ref[...] = lax.fori_loop(0, count, body, init_ref[...].astype(jnp.float32))
+  last_ref[...] = _walk(start_ref[z], count_ref[z], seq_ref.shape[0], reverse, load, step,
+                        init_ref[...].astype(jnp.float32))
+
+
+def _states_kernel(start_ref, count_ref, x_ref, b_ref, z_ref, init_ref, seq_ref,
+                   last_ref, *, chunk, dtype, reverse):
+  """_local_kernel and _sweep_kernel in one walk (BlockSizes.fused_states).
+
+  Walks segment program_id(0)'s chunks: seq_ref[c] = S, then
+  S = diag(e^{Gamma_c}) S + (x_c e^{u_c})^T z_c, each chunk's own contribution computed
+  on the way (forward: x = k, z = v, u = Gamma - b; reverse: x = q, z = do, u = b), so
+  it is never written out and read back. x_ref, b_ref [NC, C, BK]; z_ref [NC, C, BV];
+  seq_ref [NC, BK, BV]; init_ref, last_ref [BK, BV].
+  """
+  seg = pl.program_id(0)
+
+  def load(c):
+    return x_ref[c], b_ref[c], b_ref[c, pl.ds(chunk - 1, 1), :], z_ref[c]
+
+  def step(c, loaded, s):
+    x, b, last, z = loaded
+    seq_ref[c] = s
+    u = b if reverse else last - b
+    local = _dot(x.astype(jnp.float32) * jnp.exp(u), z, _TN, dtype)
+    return jnp.exp(last).reshape(-1, 1) * s + local
+
+  last_ref[...] = _walk(start_ref[seg], count_ref[seg], seq_ref.shape[0], reverse, load,
+                        step, init_ref[...].astype(jnp.float32))
 
 
 def _output_kernel(valid_ref, q_ref, v_ref, b_ref, a_ref, h_ref, o_ref, *, dtype):
@@ -604,8 +655,33 @@ def _sweep(decay, local, init, start, count, bs, interpret, reverse):
   )(start, count, decay, local, init)
 
 
+def _fused_states(x, b, z, init, start, count, bs, interpret, reverse):
+  """Segment-wise recurrence with each chunk's contribution computed on the way (see
+  _states_kernel): (per-chunk states [NC, H, Dk, Dv], last state per segment)."""
+  nc, c, h, dk = x.shape
+  dv = z.shape[-1]
+  zz = init.shape[0]
+  bk, bv = bs.sweep_tiles(dk, dv)
+  state = pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))
+  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j))
+  k_all = pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i))
+  v_all = pl.BlockSpec((nc, c, None, bv), lambda s, hh, i, j: (0, 0, hh, j))
+  kernel = functools.partial(_states_kernel, chunk=c, dtype=x.dtype, reverse=reverse)
+  return pl.pallas_call(
+      kernel, grid=(zz, h, dk // bk, dv // bv),
+      in_specs=[_whole(zz), _whole(zz), k_all, k_all, v_all, state],
+      out_specs=[per_chunk, state],
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((zz, h, dk, dv), jnp.float32)],
+      compiler_params=_params(bs), interpret=interpret,
+      name="gla_states_reverse" if reverse else "gla_states",
+  )(start, count, x, b, z, init)
+
+
 def _states(k, v, b, h0, start, count, bs, interpret):
   """(state entering each chunk [NC, H, Dk, Dv], final state per segment)."""
+  if bs.fused_states:
+    return _fused_states(k, b, v, h0, start, count, bs, interpret, reverse=False)
   decay = jnp.exp(b[:, -1])                                              # [NC, H, Dk]
   local = _local(k, b, v, bs, interpret, to_end=True)
   return _sweep(decay, local, h0, start, count, bs, interpret, reverse=False)
@@ -613,6 +689,8 @@ def _states(k, v, b, h0, start, count, bs, interpret):
 
 def _dstates(q, do, b, dfinal, start, count, bs, interpret):
   """(gradient of the state after each chunk, gradient of h0 per segment)."""
+  if bs.fused_states:
+    return _fused_states(q, b, do, dfinal, start, count, bs, interpret, reverse=True)
   decay = jnp.exp(b[:, -1])
   local = _local(q, b, do, bs, interpret, to_end=False)
   return _sweep(decay, local, dfinal, start, count, bs, interpret, reverse=True)

@@ -169,6 +169,9 @@ class TestPallasGPU:
       dict(split_dqk=False, diag_unroll=1),  # the fused dq/dk kernel
       dict(diag_matmul_span=0.0),            # every diagonal block row by row
       dict(diag_matmul_span=60.0, split_dqk=False),  # the largest span allowed
+      # The states as a local-contribution pass plus a sweep instead of one walk.
+      dict(fused_states=False, sweep_k=16, sweep_v=64),
+      dict(fused_states=False, recompute_states=True),
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
@@ -248,27 +251,30 @@ def test_kernels_lower_for_cuda():
                     impl="pallas_varlen", shared=(q, k, g))
     return jnp.sum(o1.astype(jnp.float32)) + jnp.sum(o2.astype(jnp.float32))
 
-  # Per op: forward scores, local, sweep, outputs; backward local + reverse sweep
-  # (state gradients), dv, dq/dk inter and intra (the forward's states are kept).
+  # Per op: forward scores, states, outputs; backward reverse states (state gradients),
+  # dv, dq/dk inter and intra (the forward's states are kept).
   calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
-  assert calls == 18, f"expected 18 Triton kernel calls, found {calls}"
+  assert calls == 14, f"expected 14 Triton kernel calls, found {calls}"
   # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
-  # pallas_call gains a grid dimension, and still lowers, as the same 18 calls.
+  # pallas_call gains a grid dimension, and still lowers, as the same 14 calls.
   stack = lambda a: jnp.stack([a, a])
   calls = _cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
                              *map(stack, x), stack(w))
-  assert calls == 18, f"vmapped: expected 18 Triton kernel calls, found {calls}"
+  assert calls == 14, f"vmapped: expected 14 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
-  # (one more local pass and sweep in the backward), other tiles, dq/dk in two kernels.
+  # (one more state walk in the backward), other tiles, dq/dk in two kernels, and the
+  # states as a local-contribution pass plus a sweep (two kernels each way).
   c, h, d = 32, 1, 64
   q = jnp.ones((1, 2, c, h, d), jnp.bfloat16)
   h0, start, count = jnp.zeros((1, h, d, d)), jnp.asarray([0]), jnp.asarray([2])
-  for fields, want in ((dict(split_dqk=False, diag_unroll=1), 8),
-                       (dict(split_dqk=False, diag_unroll=4), 8),
-                       (dict(recompute_states=True), 11),
-                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 9),
-                       (dict(split_dqk=True), 9)):
+  for fields, want in ((dict(split_dqk=False, diag_unroll=1), 6),
+                       (dict(split_dqk=False, diag_unroll=4), 6),
+                       (dict(recompute_states=True), 8),
+                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 7),
+                       (dict(split_dqk=True), 7),
+                       (dict(fused_states=False), 9),
+                       (dict(fused_states=False, recompute_states=True), 11)):
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
         q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
@@ -286,7 +292,8 @@ def test_profile_kernels_runs_every_kernel():
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     times = profile_kernels.per_kernel(x, bs, True, reps=1)
-  assert set(times) == {"scores", "local", "sweep", "outputs", "dv", "dqk", "dqk_split"}
+  assert set(times) == {"scores", "states", "local", "sweep", "outputs", "dv", "dqk",
+                        "dqk_split"}
   assert all(t > 0 for t in times.values())
   # Its check of a variant against the defaults: the split dq/dk agrees to bf16
   # rounding, and a wrong array is reported as such.
