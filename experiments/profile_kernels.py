@@ -7,13 +7,15 @@ r"""Times each Pallas kernel of the chunked GLA on its own (dense, one segment p
 Setting of the op benchmark (bf16, 8 heads, head dim 128, two sequences of L/2 packed
 as two segments of whole chunks). For the default `BlockSizes` it times every kernel
 separately under `jit` (scores, states -- the fused state walk -- and its unfused
-form local + sweep, outputs, dv, dq/dk with its dA matmul), then the whole core (`pallas_kernels.chunk_gla.chunk_gla`, forward and forward +
-backward); each `--variants` entry (comma-separated BlockSizes fields) times the whole
+form local + sweep, outputs, dv, dq/dk with its dA matmul), then the whole core
+(`pallas_kernels.chunk_gla.chunk_gla`, forward and forward + backward); each `--variants` entry (comma-separated BlockSizes fields) times the whole
 core only, and compares its output and gradients (o, dq, dk, dv, dg) with the
 defaults': max |variant - defaults| / max |defaults| per array, so a variant that is
 fast but wrong on this device shows it (same inputs; bf16 rounding differences are
 ~1e-3). Median of `--reps` runs after warm-up, each ended by `block_until_ready`. The
-core excludes what `sse_jax.ops.gla` does around it (segment packing, casts).
+core excludes what `sse_jax.ops.gla` does around it (segment packing, casts);
+`--op_partitions=4,8,16` times that too: the dense op and SSE pallas_varlen against
+the core alone on their packed shapes (`op_overhead`).
 
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
 times mean nothing. Writes a JSON list of rows to `--out` when given.
@@ -22,6 +24,7 @@ times mean nothing. Writes a JSON list of rows to `--out` when given.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import pathlib
 
@@ -42,6 +45,8 @@ flags.DEFINE_integer("reps", 20, "Timed repetitions (median reported).")
 flags.DEFINE_multi_string("variants", [], "BlockSizes overrides, e.g. 'num_warps=8,sweep_k=16'.")
 flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke test).")
 flags.DEFINE_string("out", "", "Write the rows as JSON here.")
+flags.DEFINE_list("op_partitions", [], "Also time ops.gla / ops.sse pallas_varlen at "
+                  "--length against their kernel core alone, for these N (e.g. 4,8,16).")
 
 
 def median_ms(fn, *args, reps):
@@ -84,7 +89,7 @@ def per_kernel(x, bs, interpret, reps):
       "states": (jit(lambda k, b, v, h0, s, c: k_._fused_states(k, b, v, h0, s, c, bs, interpret, False)),
                  (x["k"], x["b"], x["v"], x["h0"], start, count)),
       "local": (local, (x["k"], x["b"], x["v"])),
-      "sweep": (jit(lambda d, l, h0, s, c: k_._sweep(d, l, h0, s, c, bs, interpret, False)),
+      "sweep": (jit(lambda d, l, h0, s, c: k_._sweep(d, l, h0, s, c, bs, interpret, False, jnp.float32)),
                 (decay, local(x["k"], x["b"], x["v"]), x["h0"], start, count)),
       "outputs": (jit(lambda q, v, b, a, h, ok: k_._outputs(q, v, b, a, h, ok, bs, interpret)),
                   (x["q"], x["v"], x["b"], a, h_start, valid)),
@@ -138,6 +143,80 @@ def max_rel_diff(got: dict[str, jax.Array], want: dict[str, jax.Array]) -> dict[
   return out
 
 
+def _elementwise_core(q, k, v, g, h0, seg_start, seg_chunks):
+  """A stand-in for the chunk core with its signature and next to no cost: the op
+  around it is then only the packing (op_overhead)."""
+  del seg_start, seg_chunks
+  o = (q.astype(jnp.float32) + k.astype(jnp.float32) + g) * v.astype(jnp.float32)
+  return o.astype(v.dtype), h0
+
+
+def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
+  """What the ops add around the kernel core, fwd + bwd ms, in bench_ops' setting
+  (bf16, cu_seqlens = [0, L/2, L], SSE pallas_varlen with the shared partition, K = 1):
+
+    op_ms       the op (ops.gla pallas_chunk, ops.sse pallas_varlen);
+    core_ms     the kernel core alone on a buffer of the op's packed shape and with its
+                segment table;
+    packing_ms  the op with an elementwise stand-in for the core: the packing (sort,
+                gathers, their transposes), slot building and casts alone.
+  """
+  from sse_jax import ops  # pylint: disable=g-import-not-at-top
+  from sse_jax.ops import packing  # pylint: disable=g-import-not-at-top
+  # The modules, not the functions of the same names that sse_jax.ops exports.
+  gla_lib = importlib.import_module("sse_jax.ops.gla")
+  sse_lib = importlib.import_module("sse_jax.ops.sse")
+  rows = []
+  for n in [None] + list(partitions):
+    x = op_setting.make_inputs(length, n or 1, heads, dim, 1)
+    seq = jnp.repeat(jnp.arange(2), length // 2)                         # two sequences
+    scale = dim ** -0.5
+    if n is None:
+      seg, z = seq, 2
+      h0 = jnp.zeros((2, heads, dim, dim), jnp.float32)
+      def op(q, k, v, g, w):
+        return ops.gla(q, k, v, g, cu_seqlens=x["cu"], impl="pallas_chunk")[0]
+      def packed(q, k, v, g, w):
+        return gla_lib.chunked_gla(q * scale, k, v, g, h0, x["cu"], chunk,
+                                   _elementwise_core)[0]
+    else:
+      seg = jnp.concatenate([seq * n + x["idx"][0, :, 0], 2 * n + seq])  # routed, shared
+      z = 2 * (n + 1)
+      h0s = (jnp.zeros((2, n, heads, dim, dim), jnp.float32),
+             jnp.zeros((2, heads, dim, dim), jnp.float32))
+      def op(q, k, v, g, w, n=n):
+        return ops.sse(q, k, v, g, w, x["idx"], num_partitions=n, cu_seqlens=x["cu"],
+                       impl="pallas_varlen", shared=(x["q0"], x["k0"], g))[0]
+      def packed(q, k, v, g, w, n=n, h0s=h0s):
+        routing = sse_lib.make_routing(w, x["idx"], None, None, sse_lib.Gate.BOTH)
+        return sse_lib._varlen(  # pylint: disable=protected-access
+            q * scale, k, v, g, routing, n, h0s[0], (x["q0"] * scale, x["k0"], g),
+            h0s[1], x["cu"], chunk, _elementwise_core)[0]
+
+    def grad_ms(fn):
+      loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * x["cot"].astype(jnp.float32))
+      return median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
+                       x["q"], x["k"], x["v"], x["g"], x["w"], reps=reps)
+
+    layout = packing.chunk_layout(seg, z, chunk)
+    nc = packing.max_chunks(seg.shape[0], z, chunk)
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    shape = (1, nc, chunk, heads, dim)
+    q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys[:4])
+    g = jax.nn.log_sigmoid(jax.random.normal(keys[4], shape, jnp.float32)) / 16
+    h0 = jnp.zeros((z, heads, dim, dim), jnp.float32)
+
+    def core_loss(q, k, v, g):
+      o, _ = kernels.chunk_gla(q, k, v, g, h0, layout.seg_start, layout.seg_chunks,
+                               interpret=interpret)
+      return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    core_ms = median_ms(jax.jit(jax.grad(core_loss, argnums=(0, 1, 2, 3))), q, k, v, g,
+                        reps=reps)
+    rows.append(dict(op="gla" if n is None else "sse", n=n, op_ms=grad_ms(op),
+                     core_ms=core_ms, packing_ms=grad_ms(packed), chunks=nc))
+  return rows
+
+
 def parse_variant(text: str) -> dict[str, int | float | bool]:
   fields = {}
   for item in filter(None, (t.strip() for t in text.split(","))):
@@ -174,6 +253,15 @@ def main(argv):
     del outputs
     rows.append(row)
     print(line, flush=True)
+  if FLAGS.op_partitions:
+    for row in op_overhead(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk,
+                           [int(n) for n in FLAGS.op_partitions], FLAGS.interpret,
+                           FLAGS.reps):
+      rows.append(row)
+      print(f"op {row['op']} N={row['n']}: op {row['op_ms']:.3f} ms, core alone "
+            f"{row['core_ms']:.3f} ms on {row['chunks']} chunks (op - core "
+            f"{row['op_ms'] - row['core_ms']:.3f} ms), packing alone "
+            f"{row['packing_ms']:.3f} ms", flush=True)
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(rows, indent=1))
 

@@ -116,6 +116,9 @@ class BlockSizes:
   split_dqk: bool = True
   diag_matmul_span: float = 40.0
   fused_states: bool = True
+  # bf16 per-chunk states for bf16 inputs: every matmul that reads them rounds them to
+  # bf16 anyway; at L = 1024 the bf16 errors against the fp32 scan moved by < 1e-5.
+  low_precision_states: bool = True
 
   def __post_init__(self):
     if self.chunk not in (16, 32, 64, 128):
@@ -380,7 +383,7 @@ def _sweep_kernel(start_ref, count_ref, decay_ref, local_ref, init_ref, seq_ref,
 
   def step(c, loaded, s):
     decay, local = loaded
-    seq_ref[c] = s
+    seq_ref[c] = s.astype(seq_ref.dtype)
     return decay.reshape(-1, 1) * s + local
 
   last_ref[...] = _walk(start_ref[z], count_ref[z], seq_ref.shape[0], reverse, load, step,
@@ -404,7 +407,7 @@ def _states_kernel(start_ref, count_ref, x_ref, b_ref, z_ref, init_ref, seq_ref,
 
   def step(c, loaded, s):
     x, b, last, z = loaded
-    seq_ref[c] = s
+    seq_ref[c] = s.astype(seq_ref.dtype)
     u = b if reverse else last - b
     local = _dot(x.astype(jnp.float32) * jnp.exp(u), z, _TN, dtype)
     return jnp.exp(last).reshape(-1, 1) * s + local
@@ -455,7 +458,8 @@ def _dq_dk_inter(b_ref, v, do, h, dh, *, chunk, dtype, rows=None):
 
 def _state_share_of_dgamma(b_ref, h, dh, *, chunk):
   """e^Gamma sum_v H * dH' [1, BK]: the states' term of dGamma."""
-  return jnp.exp(_row(b_ref, chunk - 1)) * jnp.sum(h * dh, axis=1).reshape(1, -1)
+  prod = h.astype(jnp.float32) * dh.astype(jnp.float32)
+  return jnp.exp(_row(b_ref, chunk - 1)) * jnp.sum(prod, axis=1).reshape(1, -1)
 
 
 def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll, span):
@@ -634,7 +638,7 @@ def _local(x, b, z, bs, interpret, to_end):
   )(x, b, z)
 
 
-def _sweep(decay, local, init, start, count, bs, interpret, reverse):
+def _sweep(decay, local, init, start, count, bs, interpret, reverse, seq_dtype):
   """Segment-wise recurrence over chunks (see _sweep_kernel)."""
   nc, h, dk, dv = local.shape
   z = init.shape[0]
@@ -648,7 +652,7 @@ def _sweep(decay, local, init, start, count, bs, interpret, reverse):
                 pl.BlockSpec((nc, None, bk), lambda s, hh, i, j: (0, hh, i)),
                 per_chunk, state],
       out_specs=[per_chunk, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), seq_dtype),
                  jax.ShapeDtypeStruct((z, h, dk, dv), jnp.float32)],
       compiler_params=_params(bs), interpret=interpret,
       name="gla_sweep_reverse" if reverse else "gla_sweep",
@@ -671,11 +675,20 @@ def _fused_states(x, b, z, init, start, count, bs, interpret, reverse):
       kernel, grid=(zz, h, dk // bk, dv // bv),
       in_specs=[_whole(zz), _whole(zz), k_all, k_all, v_all, state],
       out_specs=[per_chunk, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), _seq_dtype(bs, x.dtype)),
                  jax.ShapeDtypeStruct((zz, h, dk, dv), jnp.float32)],
       compiler_params=_params(bs), interpret=interpret,
       name="gla_states_reverse" if reverse else "gla_states",
   )(start, count, x, b, z, init)
+
+
+def _seq_dtype(bs: BlockSizes, dtype) -> jnp.dtype:
+  """dtype of the per-chunk states: fp32, or 16-bit inputs' own with
+  BlockSizes.low_precision_states (the final states are fp32 either way)."""
+  dtype = jnp.dtype(dtype)
+  if bs.low_precision_states and dtype in (jnp.bfloat16, jnp.float16):
+    return dtype
+  return jnp.dtype(jnp.float32)
 
 
 def _states(k, v, b, h0, start, count, bs, interpret):
@@ -684,7 +697,8 @@ def _states(k, v, b, h0, start, count, bs, interpret):
     return _fused_states(k, b, v, h0, start, count, bs, interpret, reverse=False)
   decay = jnp.exp(b[:, -1])                                              # [NC, H, Dk]
   local = _local(k, b, v, bs, interpret, to_end=True)
-  return _sweep(decay, local, h0, start, count, bs, interpret, reverse=False)
+  return _sweep(decay, local, h0, start, count, bs, interpret, reverse=False,
+                seq_dtype=_seq_dtype(bs, k.dtype))
 
 
 def _dstates(q, do, b, dfinal, start, count, bs, interpret):
@@ -693,7 +707,8 @@ def _dstates(q, do, b, dfinal, start, count, bs, interpret):
     return _fused_states(q, b, do, dfinal, start, count, bs, interpret, reverse=True)
   decay = jnp.exp(b[:, -1])
   local = _local(q, b, do, bs, interpret, to_end=False)
-  return _sweep(decay, local, dfinal, start, count, bs, interpret, reverse=True)
+  return _sweep(decay, local, dfinal, start, count, bs, interpret, reverse=True,
+                seq_dtype=_seq_dtype(bs, q.dtype))
 
 
 def _scores(q, k, b, bs, interpret):

@@ -21,6 +21,17 @@ def test_layout_starts_every_segment_on_a_fresh_chunk():
   assert packing.max_chunks(9, 4, 4) >= int(layout.seg_chunks.sum())
 
 
+def test_presorted_layout_equals_the_sorted_one():
+  """GLA's packed sequences skip the sort (presorted=True): same layout, including an
+  empty segment and segments that end inside a chunk."""
+  seg = jnp.asarray([0, 0, 0, 0, 0, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3], jnp.int32)
+  want = packing.chunk_layout(seg, 5, 4)
+  got = jax.jit(packing.chunk_layout, static_argnums=(1, 2, 3))(seg, 5, 4, True)
+  for name, a, b in zip(want._fields, got, want):
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  np.testing.assert_array_equal(want.rows[:7], [0, 1, 2, 3, 4, 8, 9])
+
+
 def test_row_moves_and_their_gradients_are_exact():
   """scatter_rows / gather_rows against plain indexing: same values, and the same
   gradients (a gather as the transpose instead of a scatter-add), bit for bit."""

@@ -37,9 +37,15 @@ def max_chunks(num_slots: int, num_segments: int, chunk_size: int) -> int:
   return -(-num_slots // chunk_size) + num_segments
 
 
-def chunk_layout(slot_segment: jax.Array, num_segments: int,
-                 chunk_size: int) -> ChunkLayout:
-  """Builds the layout for slots with segment ids `slot_segment` [P] (int)."""
+def chunk_layout(slot_segment: jax.Array, num_segments: int, chunk_size: int,
+                 presorted: bool = False) -> ChunkLayout:
+  """Builds the layout for slots with segment ids `slot_segment` [P] (int).
+
+  presorted (static): the caller guarantees that slot_segment is non-decreasing (GLA's
+  packed sequences), so a slot's position is already its place in segment order and
+  no sort is needed. Unsorted ids under presorted=True give a wrong layout, silently:
+  it is not checked, since checking would need a host sync under `jit`.
+  """
   p = slot_segment.shape[0]
   seg_len = jnp.zeros((num_segments,), jnp.int32).at[slot_segment].add(1)
   seg_offset = jnp.cumsum(seg_len) - seg_len
@@ -47,8 +53,11 @@ def chunk_layout(slot_segment: jax.Array, num_segments: int,
   seg_start = jnp.cumsum(seg_chunks) - seg_chunks
 
   # Rank of each slot inside its segment: its position after a stable sort by segment.
-  order = jnp.argsort(slot_segment, stable=True)
-  sorted_pos = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
+  if presorted:
+    sorted_pos = jnp.arange(p, dtype=jnp.int32)
+  else:
+    order = jnp.argsort(slot_segment, stable=True)
+    sorted_pos = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
   rank = sorted_pos - seg_offset[slot_segment]
   rows = seg_start[slot_segment] * chunk_size + rank
   return ChunkLayout(rows, seg_start, seg_chunks, seg_len)
