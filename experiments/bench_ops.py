@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.op_setting import make_inputs, time_fn  # pylint: disable=unused-import
+from experiments.op_setting import make_inputs, parse_variant, time_fn  # pylint: disable=unused-import
+from pallas_kernels import chunk_gla as kernels
 from sse_jax import ops
 
 FLAGS = flags.FLAGS
@@ -58,6 +59,8 @@ flags.DEFINE_bool("memory", False, "Also record compiled temporary memory (recom
 flags.DEFINE_string("from_json", "", "Only redraw table and plot from saved bench_ops.json"
                     " (merging <out>/bench_fla.json when present).")
 flags.DEFINE_string("out", "results/bench_ops", "Output directory.")
+flags.DEFINE_string("block_sizes", "", "BlockSizes fields for every Pallas impl, e.g. "
+                    "'fused_states=false,sweep_k=64' (default: the kernels' defaults).")
 
 
 def op_fn(op, impl, n):
@@ -213,8 +216,9 @@ def main(argv):
   device = jax.devices()[0].device_kind
   print(f"device: {device}, jax {jax.__version__}", flush=True)
   rows = []
+  block_sizes = parse_variant(FLAGS.block_sizes)
   meta = dict(device=device, jax=jax.__version__, heads=FLAGS.heads, dim=FLAGS.dim,
-              top_k=FLAGS.top_k, reps=FLAGS.reps,
+              top_k=FLAGS.top_k, reps=FLAGS.reps, block_sizes=block_sizes,
               command="python -m experiments.bench_ops " + " ".join(sys.argv[1:]))
 
   def save(rows):
@@ -235,16 +239,17 @@ def main(argv):
           f"fwd+bwd {t_fb:8.3f} ms  compile {c_fb:5.1f} s"
           + (f"  err {row['errors']}" if "errors" in row else ""), flush=True)
 
-  for length in lengths:
-    x = make_inputs(length, max(parts), FLAGS.heads, FLAGS.dim, FLAGS.top_k)
-    for impl in FLAGS.gla_impls:
-      record("gla", impl, length, None, x)
-    for n in parts:
-      xn = make_inputs(length, n, FLAGS.heads, FLAGS.dim, FLAGS.top_k)
-      for impl in FLAGS.sse_impls:
-        if impl == "loop" and length > FLAGS.loop_max_length:
-          continue
-        record("sse", impl, length, n, xn)
+  with kernels.block_size_defaults(**block_sizes):
+    for length in lengths:
+      x = make_inputs(length, max(parts), FLAGS.heads, FLAGS.dim, FLAGS.top_k)
+      for impl in FLAGS.gla_impls:
+        record("gla", impl, length, None, x)
+      for n in parts:
+        xn = make_inputs(length, n, FLAGS.heads, FLAGS.dim, FLAGS.top_k)
+        for impl in FLAGS.sse_impls:
+          if impl == "loop" and length > FLAGS.loop_max_length:
+            continue
+          record("sse", impl, length, n, xn)
 
   if FLAGS.fla:
     rows += run_fla(out)

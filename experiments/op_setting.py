@@ -2,6 +2,7 @@
 
   make_inputs  random inputs shaped like an SSE layer's (Fig. 6 setting)
   time_fn      the timing rule: compile, warm up, median of timed runs under `jit`
+  parse_variant  "field=value,..." -> BlockSizes overrides (the tools' --variants flags)
 """
 
 from __future__ import annotations
@@ -44,3 +45,16 @@ def time_fn(fn, x, reps, warmup):
     jax.block_until_ready(fn(x))
     times.append((time.perf_counter() - t0) * 1e3)
   return statistics.median(times), compile_s
+
+
+def parse_variant(text: str) -> dict[str, int | float | bool]:
+  fields = {}
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    name, _, value = item.partition("=")
+    if not value:
+      raise ValueError(f"--variants entry {item!r}: expected field=value")
+    if value.lower() in ("true", "false"):
+      fields[name] = value.lower() == "true"
+    else:
+      fields[name] = float(value) if "." in value else int(value)
+  return fields

@@ -45,6 +45,9 @@ flags.DEFINE_integer("reps", 20, "Timed repetitions (median reported).")
 flags.DEFINE_multi_string("variants", [], "BlockSizes overrides, e.g. 'num_warps=8,sweep_k=16'.")
 flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke test).")
 flags.DEFINE_string("out", "", "Write the rows as JSON here.")
+flags.DEFINE_list("walk_partitions", [], "Also time the state walk (fused at two tile "
+                  "sizes, and local + sweep) on the grids of dense GLA and of SSE varlen "
+                  "and masking for these N, at --length (walk_grids).")
 flags.DEFINE_list("op_partitions", [], "Also time ops.gla / ops.sse pallas_varlen at "
                   "--length against their kernel core alone, for these N (e.g. 4,8,16).")
 
@@ -151,6 +154,49 @@ def _elementwise_core(q, k, v, g, h0, seg_start, seg_chunks):
   return o.astype(v.dtype), h0
 
 
+def walk_grids(length, heads, dim, chunk, partitions, interpret, reps):
+  """ms of the state walk, forward and reverse, per form, on each op's grid.
+
+  The walk's grid is (segments Z, heads, Dk / tile, Dv / tile): few programs for dense
+  GLA (Z = 2), many for SSE varlen (Z = 2 (N + 1) segments of uneven length, here laid
+  out from a real routing) and masking (Z = 2, (N + 1) H folded heads). Forms: the
+  fused walk with 32 x 32 and 64 x 64 state tiles, and local + sweep (unfused).
+  """
+  from sse_jax.ops import packing  # pylint: disable=g-import-not-at-top
+  seq = jnp.repeat(jnp.arange(2), length // 2)
+  grids = [("dense", heads, seq, 2)]
+  for n in partitions:
+    idx = op_setting.make_inputs(length, n, 1, 16, 1)["idx"][0, :, 0]
+    grids.append((f"varlen N={n}", heads,
+                  jnp.concatenate([seq * n + idx, 2 * n + seq]), 2 * (n + 1)))
+    grids.append((f"masking N={n}", (n + 1) * heads, seq, 2))
+  forms = {"fused 32x32": dict(sweep_k=32, sweep_v=32),
+           "fused 64x64": dict(sweep_k=64, sweep_v=64),
+           "local+sweep": dict(fused_states=False)}
+  rows = []
+  for name, h, seg, z in grids:
+    layout = packing.chunk_layout(seg, z, chunk)
+    nc = packing.max_chunks(seg.shape[0], z, chunk)
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    k, v = (jax.random.normal(kk, (nc, chunk, h, dim), jnp.bfloat16) for kk in keys[:2])
+    b = jnp.cumsum(jax.nn.log_sigmoid(
+        jax.random.normal(keys[2], (nc, chunk, h, dim), jnp.float32)) / 16, axis=1)
+    h0 = jnp.zeros((z, h, dim, dim), jnp.float32)
+    args = (k, v, b, h0, layout.seg_start, layout.seg_chunks)
+    for form, fields in forms.items():
+      bs = kernels.BlockSizes(chunk=chunk, **fields)
+      fwd = jax.jit(lambda k, v, b, h0, s, c, bs=bs: kernels._states(  # pylint: disable=protected-access
+          k, v, b, h0, s, c, bs, interpret))
+      rev = jax.jit(lambda k, v, b, h0, s, c, bs=bs: kernels._dstates(  # pylint: disable=protected-access
+          k, v, b, h0, s, c, bs, interpret))
+      rows.append(dict(grid=name, heads=h, segments=z, chunks=nc, form=form,
+                       fwd_ms=median_ms(fwd, *args, reps=reps),
+                       rev_ms=median_ms(rev, *args, reps=reps)))
+      print(f"walk {name:13s} H={h:4d} Z={z:3d} {form:12s}: fwd {rows[-1]['fwd_ms']:.3f} "
+            f"ms, reverse {rows[-1]['rev_ms']:.3f} ms", flush=True)
+  return rows
+
+
 def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
   """What the ops add around the kernel core, fwd + bwd ms, in bench_ops' setting
   (bf16, cu_seqlens = [0, L/2, L], SSE pallas_varlen with the shared partition, K = 1):
@@ -217,26 +263,13 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
   return rows
 
 
-def parse_variant(text: str) -> dict[str, int | float | bool]:
-  fields = {}
-  for item in filter(None, (t.strip() for t in text.split(","))):
-    name, _, value = item.partition("=")
-    if not value:
-      raise ValueError(f"--variants entry {item!r}: expected field=value")
-    if value.lower() in ("true", "false"):
-      fields[name] = value.lower() == "true"
-    else:
-      fields[name] = float(value) if "." in value else int(value)
-  return fields
-
-
 def main(argv):
   del argv
   x = make_inputs(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, L={FLAGS.length}, "
         f"H={FLAGS.heads}, D={FLAGS.dim}, C={FLAGS.chunk}", flush=True)
   rows = []
-  configs = [{}] + [parse_variant(v) for v in FLAGS.variants]
+  configs = [{}] + [op_setting.parse_variant(v) for v in FLAGS.variants]
   reference = None
   for i, fields in enumerate(configs):
     bs = kernels.BlockSizes(chunk=FLAGS.chunk, **fields)
@@ -253,6 +286,9 @@ def main(argv):
     del outputs
     rows.append(row)
     print(line, flush=True)
+  if FLAGS.walk_partitions:
+    rows += walk_grids(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk,
+                       [int(n) for n in FLAGS.walk_partitions], FLAGS.interpret, FLAGS.reps)
   if FLAGS.op_partitions:
     for row in op_overhead(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk,
                            [int(n) for n in FLAGS.op_partitions], FLAGS.interpret,

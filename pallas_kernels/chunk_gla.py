@@ -960,6 +960,24 @@ def force_interpret(value: bool = True):
     _FORCE_INTERPRET.pop()
 
 
+_BLOCK_SIZE_DEFAULTS: list[dict] = []
+
+
+@contextlib.contextmanager
+def block_size_defaults(**fields):
+  """Traces inside this context use BlockSizes(chunk=C, **fields) wherever no
+  block_sizes is passed (the ops API passes none): for timing variants of the whole
+  ops (`experiments.bench_ops --block_sizes`). Acts at trace time, like
+  force_interpret; the fields are validated on entry.
+  """
+  BlockSizes(**fields)
+  _BLOCK_SIZE_DEFAULTS.append(fields)
+  try:
+    yield
+  finally:
+    _BLOCK_SIZE_DEFAULTS.pop()
+
+
 def default_interpret() -> bool:
   """Pallas-Triton kernels need a GPU; elsewhere they run in interpret mode."""
   if _FORCE_INTERPRET:
@@ -976,13 +994,14 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
       cast to `storage_dtype` (default: q's dtype if 16-bit, else fp32): the dtype of
       the matmul operands. g and everything accumulated are fp32.
     h0: [Z, H, Dk, Dv]; seg_start, seg_chunks: int [Z] over the flattened B * NC chunks.
-    block_sizes: tiles; default BlockSizes(chunk=C).
+    block_sizes: tiles; default BlockSizes(chunk=C) (see block_size_defaults).
     interpret: run the kernels in interpret mode; default: when there is no GPU.
   Returns:
     o [B, NC, C, H, Dv] in v's dtype, final states [Z, H, Dk, Dv] fp32.
   """
   bsz, nc, c, h, dk = q.shape
-  block_sizes = block_sizes or BlockSizes(chunk=c)
+  fields = _BLOCK_SIZE_DEFAULTS[-1] if _BLOCK_SIZE_DEFAULTS else {}
+  block_sizes = block_sizes or BlockSizes(**{"chunk": c, **fields})
   if c != block_sizes.chunk:
     raise ValueError(f"chunk length {c} != block_sizes.chunk={block_sizes.chunk}")
   block_sizes.tiles(dk, v.shape[-1])

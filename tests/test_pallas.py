@@ -286,7 +286,7 @@ def test_profile_kernels_runs_every_kernel():
   """`experiments.profile_kernels` reaches each kernel through the private wrappers it
   times; in interpret mode, at a tiny size, its numbers are not timings, only a check
   that the tool still matches the kernel file."""
-  from experiments import profile_kernels  # pylint: disable=g-import-not-at-top
+  from experiments import op_setting, profile_kernels  # pylint: disable=g-import-not-at-top
   x = profile_kernels.make_inputs(128, 1, 16, 32)
   bs = pallas_chunk_gla.BlockSizes(chunk=32, split_dqk=False)
   with warnings.catch_warnings():
@@ -310,8 +310,8 @@ def test_profile_kernels_runs_every_kernel():
   assert max(diff.values()) < 1e-2, diff
   wrong = dict(split, dk=-split["dk"])
   assert profile_kernels.max_rel_diff(wrong, fused)["dk"] > 1.0
-  assert profile_kernels.parse_variant(
+  assert op_setting.parse_variant(
       "num_warps=8, recompute_states=true, diag_matmul_span=12.5") == dict(
           num_warps=8, recompute_states=True, diag_matmul_span=12.5)
   with pytest.raises(ValueError, match="field=value"):
-    profile_kernels.parse_variant("num_warps")
+    op_setting.parse_variant("num_warps")
