@@ -170,8 +170,9 @@ def walk_grids(length, heads, dim, chunk, partitions, interpret, reps):
     grids.append((f"varlen N={n}", heads,
                   jnp.concatenate([seq * n + idx, 2 * n + seq]), 2 * (n + 1)))
     grids.append((f"masking N={n}", (n + 1) * heads, seq, 2))
-  forms = {"fused 32x32": dict(sweep_k=32, sweep_v=32),
-           "fused 64x64": dict(sweep_k=64, sweep_v=64),
+  forms = {"defaults": {},
+           "fused 32x32": dict(walk_programs=2**30),
+           "fused 64x64": dict(walk_programs=1),
            "local+sweep": dict(fused_states=False)}
   rows = []
   for name, h, seg, z in grids:

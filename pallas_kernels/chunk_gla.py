@@ -30,13 +30,18 @@ Steep gates anywhere therefore stay exact; GLA-style gates take level 1.
 Kernels (grid; what each program does):
   _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
                                    backward pass.
-  _local_kernel   (NC, H, nK, nV) each chunk's own contribution to the state after it,
-                                   (k e^{Gamma - b})^T v -- or, backward, to the
-                                   gradient of the state before it, (q e^b)^T do.
-  _sweep_kernel   (Z, H, nK', nV') walk a segment's chunks (backward: in reverse) with
-                                   S = diag(e^Gamma) S + local: the state entering each
-                                   chunk and the final state (backward: dH' of every
-                                   chunk and dh0). Only the multiply-add is sequential.
+  _states_kernel  (nK', nV', H, Z) walk a segment's chunks (backward: in reverse) with
+                                   S = diag(e^Gamma) S + (k e^{Gamma - b})^T v -- or,
+                                   backward, + (q e^b)^T do -- each chunk's own term
+                                   computed on the way: the state entering each chunk
+                                   and the final state (backward: dH' of every chunk
+                                   and dh0). Only this walk is sequential; the next
+                                   chunk's loads are issued one step ahead (_walk), the
+                                   longest segments are launched first, and its tiles
+                                   follow the grid's size (_fused_walk_tiles).
+  With BlockSizes.fused_states=False, the same in two kernels:
+  _local_kernel   (NC, H, nK, nV) each chunk's own term, all chunks in parallel;
+  _sweep_kernel   (nK', nV', H, Z) the walk, a multiply-add per chunk.
   _output_kernel  (NC, H, nV)     o = (q e^b) H + A v, for one chunk.
   _dv_kernel      (NC, H, nV)     dv = A^T do + (k e^{Gamma - b}) dH'.
   _dqk_kernel     (NC, H, nK, C/L) dq, dk and db (gradient w.r.t. the cumulative gates)
@@ -116,6 +121,9 @@ class BlockSizes:
   split_dqk: bool = True
   diag_matmul_span: float = 40.0
   fused_states: bool = True
+  # H200, L = 32K: the fused walk with 32 x 32 tiles is best for dense GLA (256
+  # programs), with 64 x 64 tiles for SSE masking (1280+ programs at 32 x 32).
+  walk_programs: int = 512
   # bf16 per-chunk states for bf16 inputs: every matmul that reads them rounds them to
   # bf16 anyway; at L = 1024 the bf16 errors against the fp32 scan moved by < 1e-5.
   low_precision_states: bool = True
@@ -134,6 +142,8 @@ class BlockSizes:
     if not 0.0 <= self.diag_matmul_span <= 60.0:
       raise ValueError(f"diag_matmul_span={self.diag_matmul_span} must be in [0, 60]: "
                        "e^span scales k rows inside the matmul (fp32 / bf16 overflow at ~88)")
+    if self.walk_programs < 1:
+      raise ValueError(f"walk_programs={self.walk_programs} must be >= 1")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -376,7 +386,7 @@ def _sweep_kernel(start_ref, count_ref, decay_ref, local_ref, init_ref, seq_ref,
   multiply-add per step, so the sequential depth costs little.
   decay_ref [NC, BK]; local_ref, seq_ref [NC, BK, BV]; init_ref, last_ref [BK, BV].
   """
-  z = pl.program_id(0)
+  z = pl.program_id(3)  # the grid is (Dk tile, Dv tile, head, segment): _walk_grid
 
   def load(c):
     return decay_ref[pl.ds(c, 1), :], local_ref[c]
@@ -400,7 +410,7 @@ def _states_kernel(start_ref, count_ref, x_ref, b_ref, z_ref, init_ref, seq_ref,
   it is never written out and read back. x_ref, b_ref [NC, C, BK]; z_ref [NC, C, BV];
   seq_ref [NC, BK, BV]; init_ref, last_ref [BK, BV].
   """
-  seg = pl.program_id(0)
+  seg = pl.program_id(3)  # the grid is (Dk tile, Dv tile, head, segment): _walk_grid
 
   def load(c):
     return x_ref[c], b_ref[c], b_ref[c, pl.ds(chunk - 1, 1), :], z_ref[c]
@@ -638,25 +648,60 @@ def _local(x, b, z, bs, interpret, to_end):
   )(x, b, z)
 
 
+def _longest_first(start, count, init, walk):
+  """walk(start', count', init') on the segments reordered longest first, and its
+  (per-chunk states, last states) with the last states back in segment order.
+
+  The walk's grid puts segments on its slowest launch axis (_walk_grid), so the CUDA
+  blocks of the longest segments -- the op's critical path, e.g. the shared partition's
+  segments in SSE varlen, which are listed last -- start first.
+  """
+  order = jnp.argsort(-count, stable=True).astype(jnp.int32)
+  seq, last = walk(start[order], count[order], init[order])
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+  return seq, last[inverse]
+
+
+def _walk_grid(z, h, dk, dv, bk, bv):
+  """Grid (Dk tile, Dv tile, head, segment) and the specs of a [BK, BV] state tile per
+  segment and of the [NC, BK, BV] per-chunk states: the Triton lowering folds the two
+  leading axes into CUDA's x, so the segment axis is the slowest in launch order."""
+  state = pl.BlockSpec((None, None, bk, bv), lambda i, j, hh, s: (s, hh, i, j))
+  return (dk // bk, dv // bv, h, z), state
+
+
 def _sweep(decay, local, init, start, count, bs, interpret, reverse, seq_dtype):
   """Segment-wise recurrence over chunks (see _sweep_kernel)."""
   nc, h, dk, dv = local.shape
   z = init.shape[0]
   bk, bv = bs.sweep_tiles(dk, dv)
-  state = pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))
-  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j))
+  grid, state = _walk_grid(z, h, dk, dv, bk, bv)
+  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda i, j, hh, s: (0, hh, i, j))
   kernel = functools.partial(_sweep_kernel, reverse=reverse)
-  return pl.pallas_call(
-      kernel, grid=(z, h, dk // bk, dv // bv),
+  call = pl.pallas_call(
+      kernel, grid=grid,
       in_specs=[_whole(z), _whole(z),
-                pl.BlockSpec((nc, None, bk), lambda s, hh, i, j: (0, hh, i)),
+                pl.BlockSpec((nc, None, bk), lambda i, j, hh, s: (0, hh, i)),
                 per_chunk, state],
       out_specs=[per_chunk, state],
       out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), seq_dtype),
                  jax.ShapeDtypeStruct((z, h, dk, dv), jnp.float32)],
       compiler_params=_params(bs), interpret=interpret,
       name="gla_sweep_reverse" if reverse else "gla_sweep",
-  )(start, count, decay, local, init)
+  )
+  return _longest_first(start, count, init,
+                        lambda s0, n0, h0: call(s0, n0, decay, local, h0))
+
+
+def _fused_walk_tiles(bs: BlockSizes, z, h, dk, dv) -> tuple[int, int]:
+  """State tiles of the fused walk: the small sweep tiles while the grid at those
+  tiles has at most BlockSizes.walk_programs programs (latency-bound: dense GLA), else
+  the block tiles, which load and exponentiate each chunk's k and gates fewer times
+  over (throughput-bound: SSE masking and varlen)."""
+  bk, bv = bs.sweep_tiles(dk, dv)
+  if z * h * (dk // bk) * (dv // bv) <= bs.walk_programs:
+    return bk, bv
+  return bs.tiles(dk, dv)
 
 
 def _fused_states(x, b, z, init, start, count, bs, interpret, reverse):
@@ -665,21 +710,23 @@ def _fused_states(x, b, z, init, start, count, bs, interpret, reverse):
   nc, c, h, dk = x.shape
   dv = z.shape[-1]
   zz = init.shape[0]
-  bk, bv = bs.sweep_tiles(dk, dv)
-  state = pl.BlockSpec((None, None, bk, bv), lambda s, hh, i, j: (s, hh, i, j))
-  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda s, hh, i, j: (0, hh, i, j))
-  k_all = pl.BlockSpec((nc, c, None, bk), lambda s, hh, i, j: (0, 0, hh, i))
-  v_all = pl.BlockSpec((nc, c, None, bv), lambda s, hh, i, j: (0, 0, hh, j))
+  bk, bv = _fused_walk_tiles(bs, zz, h, dk, dv)
+  grid, state = _walk_grid(zz, h, dk, dv, bk, bv)
+  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda i, j, hh, s: (0, hh, i, j))
+  k_all = pl.BlockSpec((nc, c, None, bk), lambda i, j, hh, s: (0, 0, hh, i))
+  v_all = pl.BlockSpec((nc, c, None, bv), lambda i, j, hh, s: (0, 0, hh, j))
   kernel = functools.partial(_states_kernel, chunk=c, dtype=x.dtype, reverse=reverse)
-  return pl.pallas_call(
-      kernel, grid=(zz, h, dk // bk, dv // bv),
+  call = pl.pallas_call(
+      kernel, grid=grid,
       in_specs=[_whole(zz), _whole(zz), k_all, k_all, v_all, state],
       out_specs=[per_chunk, state],
       out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), _seq_dtype(bs, x.dtype)),
                  jax.ShapeDtypeStruct((zz, h, dk, dv), jnp.float32)],
       compiler_params=_params(bs), interpret=interpret,
       name="gla_states_reverse" if reverse else "gla_states",
-  )(start, count, x, b, z, init)
+  )
+  return _longest_first(start, count, init,
+                        lambda s0, n0, h0: call(s0, n0, x, b, z, h0))
 
 
 def _seq_dtype(bs: BlockSizes, dtype) -> jnp.dtype:

@@ -172,6 +172,9 @@ class TestPallasGPU:
       # The states as a local-contribution pass plus a sweep instead of one walk.
       dict(fused_states=False, sweep_k=16, sweep_v=64),
       dict(fused_states=False, recompute_states=True),
+      # The fused walk on the block tiles (its choice for large grids).
+      dict(walk_programs=1),
+      dict(walk_programs=1, block_k=32, block_v=64, recompute_states=True),
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
@@ -274,6 +277,7 @@ def test_kernels_lower_for_cuda():
                        (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 7),
                        (dict(split_dqk=True), 7),
                        (dict(fused_states=False), 9),
+                       (dict(walk_programs=1), 7),
                        (dict(fused_states=False, recompute_states=True), 11)):
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
