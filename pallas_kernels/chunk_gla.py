@@ -104,7 +104,11 @@ class BlockSizes:
   (nats of b, per feature) over which a chunk, or else a sub-block, is multiplied in
   one anchored matmul, with factors up to e^span (finite in fp32 / bf16 up to ~88);
   steeper sub-blocks, or all with 0, go row by row, with exponents <= 0 (module
-  docstring: the three levels).
+  docstring: the three levels). fused_states: the state recurrence as one walk that
+  computes each chunk's own term on the way (else a parallel local-term kernel and a
+  sweep). walk_programs: the fused walk uses the sweep tiles while its grid at those
+  tiles has at most this many programs, else the block tiles. low_precision_states:
+  keep the per-chunk states in the inputs' dtype when that is 16-bit.
   """
 
   chunk: int = 64
@@ -121,8 +125,9 @@ class BlockSizes:
   split_dqk: bool = True
   diag_matmul_span: float = 40.0
   fused_states: bool = True
-  # H200, L = 32K: the fused walk with 32 x 32 tiles is best for dense GLA (256
-  # programs), with 64 x 64 tiles for SSE masking (1280+ programs at 32 x 32).
+  # H200, L = 32K (profile_kernels --walk_partitions): the fused walk with 32 x 32
+  # tiles is best for dense GLA (256 programs), with 64 x 64 tiles for SSE varlen and
+  # masking (1280 or more programs at 32 x 32).
   walk_programs: int = 512
   # bf16 per-chunk states for bf16 inputs: every matmul that reads them rounds them to
   # bf16 anyway; at L = 1024 the bf16 errors against the fp32 scan moved by < 1e-5.
@@ -404,7 +409,7 @@ def _states_kernel(start_ref, count_ref, x_ref, b_ref, z_ref, init_ref, seq_ref,
                    last_ref, *, chunk, dtype, reverse):
   """_local_kernel and _sweep_kernel in one walk (BlockSizes.fused_states).
 
-  Walks segment program_id(0)'s chunks: seq_ref[c] = S, then
+  Walks segment program_id(3)'s chunks: seq_ref[c] = S, then
   S = diag(e^{Gamma_c}) S + (x_c e^{u_c})^T z_c, each chunk's own contribution computed
   on the way (forward: x = k, z = v, u = Gamma - b; reverse: x = q, z = do, u = b), so
   it is never written out and read back. x_ref, b_ref [NC, C, BK]; z_ref [NC, C, BV];
