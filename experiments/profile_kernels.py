@@ -8,14 +8,16 @@ Setting of the op benchmark (bf16, 8 heads, head dim 128, two sequences of L/2 p
 as two segments of whole chunks). For the default `BlockSizes` it times every kernel
 separately under `jit` (scores, states -- the fused state walk -- and its unfused
 form local + sweep, outputs, dv, dq/dk with its dA matmul), then the whole core
-(`pallas_kernels.chunk_gla.chunk_gla`, forward and forward + backward); each `--variants` entry (comma-separated BlockSizes fields) times the whole
-core only, and compares its output and gradients (o, dq, dk, dv, dg) with the
+(`pallas_kernels.chunk_gla.chunk_gla`, forward and forward + backward); each
+`--variants` entry (comma-separated BlockSizes fields) times the whole core only, and
+compares its output and gradients (o, dq, dk, dv, dg) with the
 defaults': max |variant - defaults| / max |defaults| per array, so a variant that is
 fast but wrong on this device shows it (same inputs; bf16 rounding differences are
 ~1e-3). Median of `--reps` runs after warm-up, each ended by `block_until_ready`. The
 core excludes what `sse_jax.ops.gla` does around it (segment packing, casts);
 `--op_partitions=4,8,16` times that too: the dense op and SSE pallas_varlen against
-the core alone on their packed shapes (`op_overhead`).
+the core alone on their packed shapes (`op_overhead`); `--walk_partitions=4,16` times
+the forms of the state walk on the grids of each op (`walk_grids`).
 
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
 times mean nothing. Writes a JSON list of rows to `--out` when given.
@@ -45,9 +47,9 @@ flags.DEFINE_integer("reps", 20, "Timed repetitions (median reported).")
 flags.DEFINE_multi_string("variants", [], "BlockSizes overrides, e.g. 'num_warps=8,sweep_k=16'.")
 flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke test).")
 flags.DEFINE_string("out", "", "Write the rows as JSON here.")
-flags.DEFINE_list("walk_partitions", [], "Also time the state walk (fused at two tile "
-                  "sizes, and local + sweep) on the grids of dense GLA and of SSE varlen "
-                  "and masking for these N, at --length (walk_grids).")
+flags.DEFINE_list("walk_partitions", [], "Also time the state walk (defaults, fused at "
+                  "two tile sizes, local + sweep) on the grids of dense GLA and of SSE "
+                  "varlen and masking for these N, at --length (walk_grids).")
 flags.DEFINE_list("op_partitions", [], "Also time ops.gla / ops.sse pallas_varlen at "
                   "--length against their kernel core alone, for these N (e.g. 4,8,16).")
 
@@ -154,21 +156,45 @@ def _elementwise_core(q, k, v, g, h0, seg_start, seg_chunks):
   return o.astype(v.dtype), h0
 
 
+def _two_sequences(length):
+  """Sequence id of each token for cu_seqlens = [0, L/2, L] (bench_ops' setting)."""
+  return jnp.repeat(jnp.arange(2), length // 2)
+
+
+def _varlen_segments(seq, idx, n):
+  """SSE varlen's slot segment ids for K = 1 (routed slots, then the shared partition's)
+  and their number Z = 2 (N + 1), as `sse_jax.ops.sse` lays them out."""
+  return jnp.concatenate([seq * n + idx, 2 * n + seq]), 2 * (n + 1)
+
+
+def _packed_chunks(seg, z, chunk, heads, dim, seed):
+  """The packed layout of slot segments `seg` and random chunked inputs of its shape:
+  (layout, NC, dict of q, k, v, do [NC, C, H, D] bf16 and GLA-style g fp32)."""
+  from sse_jax.ops import packing  # pylint: disable=g-import-not-at-top
+  layout = packing.chunk_layout(seg, z, chunk)
+  nc = packing.max_chunks(seg.shape[0], z, chunk)
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  shape = (nc, chunk, heads, dim)
+  x = {name: jax.random.normal(kk, shape, jnp.bfloat16)
+       for name, kk in zip(("q", "k", "v", "do"), keys[:4])}
+  x["g"] = jax.nn.log_sigmoid(jax.random.normal(keys[4], shape, jnp.float32)) / 16
+  return layout, nc, x
+
+
 def walk_grids(length, heads, dim, chunk, partitions, interpret, reps):
   """ms of the state walk, forward and reverse, per form, on each op's grid.
 
-  The walk's grid is (segments Z, heads, Dk / tile, Dv / tile): few programs for dense
+  The walk's grid is (Dk / tile, Dv / tile, heads, segments Z): few programs for dense
   GLA (Z = 2), many for SSE varlen (Z = 2 (N + 1) segments of uneven length, here laid
   out from a real routing) and masking (Z = 2, (N + 1) H folded heads). Forms: the
-  fused walk with 32 x 32 and 64 x 64 state tiles, and local + sweep (unfused).
+  defaults (BlockSizes.walk_programs picks the tiles), the fused walk with 32 x 32 and
+  with 64 x 64 state tiles, and local + sweep (unfused).
   """
-  from sse_jax.ops import packing  # pylint: disable=g-import-not-at-top
-  seq = jnp.repeat(jnp.arange(2), length // 2)
+  seq = _two_sequences(length)
   grids = [("dense", heads, seq, 2)]
   for n in partitions:
     idx = op_setting.make_inputs(length, n, 1, 16, 1)["idx"][0, :, 0]
-    grids.append((f"varlen N={n}", heads,
-                  jnp.concatenate([seq * n + idx, 2 * n + seq]), 2 * (n + 1)))
+    grids.append((f"varlen N={n}", heads, *_varlen_segments(seq, idx, n)))
     grids.append((f"masking N={n}", (n + 1) * heads, seq, 2))
   forms = {"defaults": {},
            "fused 32x32": dict(walk_programs=2**30),
@@ -176,14 +202,10 @@ def walk_grids(length, heads, dim, chunk, partitions, interpret, reps):
            "local+sweep": dict(fused_states=False)}
   rows = []
   for name, h, seg, z in grids:
-    layout = packing.chunk_layout(seg, z, chunk)
-    nc = packing.max_chunks(seg.shape[0], z, chunk)
-    keys = jax.random.split(jax.random.PRNGKey(2), 3)
-    k, v = (jax.random.normal(kk, (nc, chunk, h, dim), jnp.bfloat16) for kk in keys[:2])
-    b = jnp.cumsum(jax.nn.log_sigmoid(
-        jax.random.normal(keys[2], (nc, chunk, h, dim), jnp.float32)) / 16, axis=1)
+    layout, nc, x = _packed_chunks(seg, z, chunk, h, dim, seed=2)
     h0 = jnp.zeros((z, h, dim, dim), jnp.float32)
-    args = (k, v, b, h0, layout.seg_start, layout.seg_chunks)
+    args = (x["k"], x["v"], jnp.cumsum(x["g"], axis=1), h0, layout.seg_start,
+            layout.seg_chunks)
     for form, fields in forms.items():
       bs = kernels.BlockSizes(chunk=chunk, **fields)
       fwd = jax.jit(lambda k, v, b, h0, s, c, bs=bs: kernels._states(  # pylint: disable=protected-access
@@ -209,14 +231,13 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
                 gathers, their transposes), slot building and casts alone.
   """
   from sse_jax import ops  # pylint: disable=g-import-not-at-top
-  from sse_jax.ops import packing  # pylint: disable=g-import-not-at-top
   # The modules, not the functions of the same names that sse_jax.ops exports.
   gla_lib = importlib.import_module("sse_jax.ops.gla")
   sse_lib = importlib.import_module("sse_jax.ops.sse")
   rows = []
   for n in [None] + list(partitions):
     x = op_setting.make_inputs(length, n or 1, heads, dim, 1)
-    seq = jnp.repeat(jnp.arange(2), length // 2)                         # two sequences
+    seq = _two_sequences(length)
     scale = dim ** -0.5
     if n is None:
       seg, z = seq, 2
@@ -227,8 +248,7 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
         return gla_lib.chunked_gla(q * scale, k, v, g, h0, x["cu"], chunk,
                                    _elementwise_core)[0]
     else:
-      seg = jnp.concatenate([seq * n + x["idx"][0, :, 0], 2 * n + seq])  # routed, shared
-      z = 2 * (n + 1)
+      seg, z = _varlen_segments(seq, x["idx"][0, :, 0], n)
       h0s = (jnp.zeros((2, n, heads, dim, dim), jnp.float32),
              jnp.zeros((2, heads, dim, dim), jnp.float32))
       def op(q, k, v, g, w, n=n):
@@ -245,12 +265,8 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
       return median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
                        x["q"], x["k"], x["v"], x["g"], x["w"], reps=reps)
 
-    layout = packing.chunk_layout(seg, z, chunk)
-    nc = packing.max_chunks(seg.shape[0], z, chunk)
-    keys = jax.random.split(jax.random.PRNGKey(1), 5)
-    shape = (1, nc, chunk, heads, dim)
-    q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys[:4])
-    g = jax.nn.log_sigmoid(jax.random.normal(keys[4], shape, jnp.float32)) / 16
+    layout, nc, packed_x = _packed_chunks(seg, z, chunk, heads, dim, seed=1)
+    q, k, v, do, g = (packed_x[name][None] for name in ("q", "k", "v", "do", "g"))
     h0 = jnp.zeros((z, heads, dim, dim), jnp.float32)
 
     def core_loss(q, k, v, g):

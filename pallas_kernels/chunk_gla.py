@@ -667,12 +667,13 @@ def _longest_first(start, count, init, walk):
   return seq, last[inverse]
 
 
-def _walk_grid(z, h, dk, dv, bk, bv):
+def _walk_grid(nc, z, h, dk, dv, bk, bv):
   """Grid (Dk tile, Dv tile, head, segment) and the specs of a [BK, BV] state tile per
   segment and of the [NC, BK, BV] per-chunk states: the Triton lowering folds the two
   leading axes into CUDA's x, so the segment axis is the slowest in launch order."""
   state = pl.BlockSpec((None, None, bk, bv), lambda i, j, hh, s: (s, hh, i, j))
-  return (dk // bk, dv // bv, h, z), state
+  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda i, j, hh, s: (0, hh, i, j))
+  return (dk // bk, dv // bv, h, z), state, per_chunk
 
 
 def _sweep(decay, local, init, start, count, bs, interpret, reverse, seq_dtype):
@@ -680,8 +681,7 @@ def _sweep(decay, local, init, start, count, bs, interpret, reverse, seq_dtype):
   nc, h, dk, dv = local.shape
   z = init.shape[0]
   bk, bv = bs.sweep_tiles(dk, dv)
-  grid, state = _walk_grid(z, h, dk, dv, bk, bv)
-  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda i, j, hh, s: (0, hh, i, j))
+  grid, state, per_chunk = _walk_grid(nc, z, h, dk, dv, bk, bv)
   kernel = functools.partial(_sweep_kernel, reverse=reverse)
   call = pl.pallas_call(
       kernel, grid=grid,
@@ -716,8 +716,7 @@ def _fused_states(x, b, z, init, start, count, bs, interpret, reverse):
   dv = z.shape[-1]
   zz = init.shape[0]
   bk, bv = _fused_walk_tiles(bs, zz, h, dk, dv)
-  grid, state = _walk_grid(zz, h, dk, dv, bk, bv)
-  per_chunk = pl.BlockSpec((nc, None, bk, bv), lambda i, j, hh, s: (0, hh, i, j))
+  grid, state, per_chunk = _walk_grid(nc, zz, h, dk, dv, bk, bv)
   k_all = pl.BlockSpec((nc, c, None, bk), lambda i, j, hh, s: (0, 0, hh, i))
   v_all = pl.BlockSpec((nc, c, None, bv), lambda i, j, hh, s: (0, 0, hh, j))
   kernel = functools.partial(_states_kernel, chunk=c, dtype=x.dtype, reverse=reverse)
