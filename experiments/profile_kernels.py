@@ -45,6 +45,8 @@ flags.DEFINE_integer("dim", 128, "Head dim Dk = Dv.")
 flags.DEFINE_integer("chunk", 64, "Chunk length C.")
 flags.DEFINE_integer("reps", 20, "Timed repetitions (median reported).")
 flags.DEFINE_multi_string("variants", [], "BlockSizes overrides, e.g. 'num_warps=8,sweep_k=16'.")
+flags.DEFINE_bool("kernels", True, "Time each kernel and the whole core (--nokernels: "
+                  "only the extra jobs asked for).")
 flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke test).")
 flags.DEFINE_string("out", "", "Write the rows as JSON here.")
 flags.DEFINE_list("walk_partitions", [], "Also time the state walk (defaults, fused at "
@@ -52,6 +54,13 @@ flags.DEFINE_list("walk_partitions", [], "Also time the state walk (defaults, fu
                   "varlen and masking for these N, at --length (walk_grids).")
 flags.DEFINE_list("op_partitions", [], "Also time ops.gla / ops.sse pallas_varlen at "
                   "--length against their kernel core alone, for these N (e.g. 4,8,16).")
+flags.DEFINE_list("trace_partitions", [], "Also trace fwd + bwd of ops.gla and ops.sse "
+                  "pallas_varlen at --length for these N and print the device time of "
+                  "each compiled HLO op (op_trace); 0 traces the dense op only.")
+flags.DEFINE_list("trace_impls", ["pallas_varlen"], "SSE impls that --trace_partitions "
+                  "traces.")
+flags.DEFINE_string("hlo_dir", "", "With --trace_partitions: write each traced "
+                    "program's optimised HLO here, to look up what a fusion holds.")
 
 
 def median_ms(fn, *args, reps):
@@ -280,13 +289,73 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
   return rows
 
 
+def device_ms_by_op(fn, args, reps):
+  """{HLO op name: device ms per call} of `fn(*args)` (already compiled), from a
+  profiler trace of `reps` calls: the events of the device planes that carry an
+  `hlo_op` stat (GPU kernels, each named by the fusion or custom call it runs; on CPU,
+  the host's XLA thunks), summed per op and divided by reps, largest first."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(reps):
+        jax.block_until_ready(fn(*args))
+    path = next(pathlib.Path(tmp).rglob("*.xplane.pb"))
+    data = jax.profiler.ProfileData.from_file(str(path))
+  planes = [p for p in data.planes if p.name.startswith("/device:")] or list(data.planes)
+  total = collections.Counter()
+  for plane in planes:
+    for line in plane.lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        if "hlo_op" in stats:
+          total[stats["hlo_op"]] += event.duration_ns / 1e6 / reps
+  return dict(total.most_common())
+
+
+def op_trace(length, heads, dim, partitions, impls, reps, hlo_dir):
+  """Device time per HLO op of fwd + bwd of the dense op (pallas_chunk, N = 0) and of
+  SSE with each impl at each N > 0 (op_overhead's setting): which fusions the packing
+  costs."""
+  from sse_jax import ops  # pylint: disable=g-import-not-at-top
+  rows = []
+  for n, impl in [(n, impl) for n in partitions for impl in (impls if n else [None])]:
+    x = op_setting.make_inputs(length, max(n, 1), heads, dim, 1)
+    if n == 0:
+      op = lambda q, k, v, g, w: ops.gla(q, k, v, g, cu_seqlens=x["cu"],
+                                         impl="pallas_chunk")[0]
+    else:
+      op = lambda q, k, v, g, w, n=n, impl=impl: ops.sse(
+          q, k, v, g, w, x["idx"], num_partitions=n, cu_seqlens=x["cu"], impl=impl,
+          shared=(x["q0"], x["k0"], g))[0]
+    loss = lambda *a, op=op: jnp.sum(op(*a).astype(jnp.float32) * x["cot"].astype(
+        jnp.float32))
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    args = (x["q"], x["k"], x["v"], x["g"], x["w"])
+    name = "gla" if n == 0 else f"sse_{impl}_n{n}"
+    if hlo_dir:
+      pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+      (pathlib.Path(hlo_dir) / f"{name}.hlo.txt").write_text(
+          step.lower(*args).compile().as_text())
+    times = device_ms_by_op(step, args, reps)
+    total = sum(times.values())
+    print(f"trace {name}: {total:.3f} ms of device time per fwd + bwd, by HLO op:",
+          flush=True)
+    for op_name, ms in list(times.items())[:30]:
+      print(f"  {ms:8.3f} ms  {op_name}", flush=True)
+    rows.append(dict(trace=name, device_ms=total, by_op=times))
+  return rows
+
+
 def main(argv):
   del argv
   x = make_inputs(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, L={FLAGS.length}, "
         f"H={FLAGS.heads}, D={FLAGS.dim}, C={FLAGS.chunk}", flush=True)
   rows = []
-  configs = [{}] + [op_setting.parse_variant(v) for v in FLAGS.variants]
+  configs = ([{}] + [op_setting.parse_variant(v) for v in FLAGS.variants]
+             if FLAGS.kernels else [])
   reference = None
   for i, fields in enumerate(configs):
     bs = kernels.BlockSizes(chunk=FLAGS.chunk, **fields)
@@ -315,6 +384,10 @@ def main(argv):
             f"{row['core_ms']:.3f} ms on {row['chunks']} chunks (op - core "
             f"{row['op_ms'] - row['core_ms']:.3f} ms), packing alone "
             f"{row['packing_ms']:.3f} ms", flush=True)
+  if FLAGS.trace_partitions:
+    rows += op_trace(FLAGS.length, FLAGS.heads, FLAGS.dim,
+                     [int(n) for n in FLAGS.trace_partitions], FLAGS.trace_impls,
+                     FLAGS.reps, FLAGS.hlo_dir)
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(rows, indent=1))
 

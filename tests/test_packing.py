@@ -32,6 +32,26 @@ def test_presorted_layout_equals_the_sorted_one():
   np.testing.assert_array_equal(want.rows[:7], [0, 1, 2, 3, 4, 8, 9])
 
 
+def test_sorted_tail_layout_equals_the_sorted_one():
+  """SSE varlen sorts only its routed slots (sorted_tail = the shared partition's):
+  same layout as the full sort, with routed slots interleaved, an empty routed
+  segment, and the tail's segments ending inside a chunk; an out-of-range tail fails."""
+  head = jnp.asarray([2, 0, 2, 1, 0, 2, 0], jnp.int32)      # routed ids 0..3, 3 empty
+  tail = jnp.asarray([4, 4, 4, 5, 5, 5, 5, 5, 6], jnp.int32)  # "shared" ids, in order
+  seg = jnp.concatenate([head, tail])
+  want = packing.chunk_layout(seg, 7, 4)
+  got = jax.jit(packing.chunk_layout, static_argnums=(1, 2, 3, 4))(seg, 7, 4, False, 9)
+  for name, a, b in zip(want._fields, got, want):
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  np.testing.assert_array_equal(want.rows[:7], [8, 0, 9, 4, 1, 10, 2])
+  try:
+    packing.chunk_layout(seg, 7, 4, sorted_tail=17)
+  except ValueError as e:
+    assert "sorted_tail=17" in str(e)
+  else:
+    raise AssertionError("sorted_tail > P was accepted")
+
+
 def test_row_moves_and_their_gradients_are_exact():
   """scatter_rows / gather_rows against plain indexing: same values, and the same
   gradients (a gather as the transpose instead of a scatter-add), bit for bit."""

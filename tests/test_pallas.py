@@ -319,3 +319,17 @@ def test_profile_kernels_runs_every_kernel():
           num_warps=8, recompute_states=True, diag_matmul_span=12.5)
   with pytest.raises(ValueError, match="field=value"):
     op_setting.parse_variant("num_warps")
+
+
+def test_profile_trace_attributes_device_time_to_hlo_ops():
+  """`profile_kernels.device_ms_by_op` (the --trace_partitions job) reads a profiler
+  trace back per compiled HLO op: every op it names is an instruction of the compiled
+  program, and together they account for time."""
+  from experiments import profile_kernels  # pylint: disable=g-import-not-at-top
+  x = jax.random.normal(jax.random.PRNGKey(0), (384, 384))
+  fn = jax.jit(lambda a: jnp.tanh(a @ a @ a))
+  times = profile_kernels.device_ms_by_op(fn, (x,), reps=2)
+  hlo = fn.lower(x).compile().as_text()
+  assert times and sum(times.values()) > 0, times
+  for name in times:
+    assert f"{name} = " in hlo, (name, times)

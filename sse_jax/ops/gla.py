@@ -62,19 +62,22 @@ def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chu
 
 
 def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
-                   core: ChunkCore = chunked.chunk_gla, presorted: bool = False):
+                   core: ChunkCore = chunked.chunk_gla, presorted: bool = False,
+                   sorted_tail: int = 0):
   """Chunked GLA over slots grouped into segments (see `packing`).
 
   q, k, g: [P, H, Dk]; v: [P, H, Dv], in time order within each segment;
   slot_segment: int [P]; h0: [Z, H, Dk, Dv] per-segment initial states.
-  presorted (static): slot_segment is non-decreasing (`packing.chunk_layout`).
+  presorted, sorted_tail (static): slot_segment is non-decreasing, or is in its last
+  sorted_tail slots, which come after all others in segment order
+  (`packing.chunk_layout`).
   Returns o [P, H, Dv] and per-segment final states [Z, H, Dk, Dv] (an empty segment
   keeps its initial state).
   """
   p = q.shape[0]
   z = h0.shape[0]
   nc = packing.max_chunks(p, z, chunk_size)
-  layout = packing.chunk_layout(slot_segment, z, chunk_size, presorted)
+  layout = packing.chunk_layout(slot_segment, z, chunk_size, presorted, sorted_tail)
 
   def to_buffer(x):
     x = packing.scatter_rows(x, layout.rows, nc * chunk_size)

@@ -38,26 +38,31 @@ def max_chunks(num_slots: int, num_segments: int, chunk_size: int) -> int:
 
 
 def chunk_layout(slot_segment: jax.Array, num_segments: int, chunk_size: int,
-                 presorted: bool = False) -> ChunkLayout:
+                 presorted: bool = False, sorted_tail: int = 0) -> ChunkLayout:
   """Builds the layout for slots with segment ids `slot_segment` [P] (int).
 
   presorted (static): the caller guarantees that slot_segment is non-decreasing (GLA's
   packed sequences), so a slot's position is already its place in segment order and
-  no sort is needed. Unsorted ids under presorted=True give a wrong layout, silently:
-  it is not checked, since checking would need a host sync under `jit`.
+  no sort is needed. sorted_tail (static): the same guarantee for the last
+  `sorted_tail` slots only, whose ids are also >= every id before them (SSE varlen's
+  shared-partition slots after the routed ones): only the slots before them are
+  sorted. Ids that break either promise give a wrong layout, silently: it is not
+  checked, since checking would need a host sync under `jit`.
   """
   p = slot_segment.shape[0]
+  if not 0 <= sorted_tail <= p:
+    raise ValueError(f"sorted_tail={sorted_tail} must be in [0, {p}] (the number of slots)")
   seg_len = jnp.zeros((num_segments,), jnp.int32).at[slot_segment].add(1)
   seg_offset = jnp.cumsum(seg_len) - seg_len
   seg_chunks = -(-seg_len // chunk_size)
   seg_start = jnp.cumsum(seg_chunks) - seg_chunks
 
   # Rank of each slot inside its segment: its position after a stable sort by segment.
-  if presorted:
-    sorted_pos = jnp.arange(p, dtype=jnp.int32)
-  else:
-    order = jnp.argsort(slot_segment, stable=True)
-    sorted_pos = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
+  head = 0 if presorted else p - sorted_tail
+  sorted_pos = jnp.arange(p, dtype=jnp.int32)
+  if head:
+    order = jnp.argsort(slot_segment[:head], stable=True)
+    sorted_pos = sorted_pos.at[order].set(jnp.arange(head, dtype=jnp.int32))
   rank = sorted_pos - seg_offset[slot_segment]
   rows = seg_start[slot_segment] * chunk_size + rank
   return ChunkLayout(rows, seg_start, seg_chunks, seg_len)

@@ -167,7 +167,10 @@ def _varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
     q_s, k_s, g_s = (jnp.concatenate([x, flat(s)]) for x, s in zip((q_s, k_s, g_s), shared))
     v_s = jnp.concatenate([v_s, flat(v)])
     h0_table = jnp.concatenate([h0_table, h0_shared])
-  o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core)
+  # The shared partition's slots (segment ids nseq * N + sequence, after every routed
+  # id, in time order) are already in segment order: only the routed ones are sorted.
+  o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core,
+                                       sorted_tail=0 if shared is None else b * t)
   routed = b * t * per_token
   o = o_s[:routed].reshape(b * t, per_token, h, -1).sum(axis=1)
   final = finals[:nseq * n].reshape(h0.shape)
