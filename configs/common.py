@@ -1,7 +1,7 @@
 """Shared builders for the experiment configs (`configs/<figure>.py`).
 
 An experiment config is an `ml_collections.ConfigDict` with:
-  name         sweep name: runs land in <workdir>/<name>/<run>/<lr>_<seed>/
+  name         sweep name: runs land in <workdir>/<name>/<run>/lr<lr>_s<seed>/
   description  what is compared, and the paper's finding
   train        the base `sse_jax.train` config every run starts from
   runs         list of {name, labels, overrides}: `overrides` are dotted keys of

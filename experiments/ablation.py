@@ -39,6 +39,7 @@ import numpy as np
 
 from experiments import pool
 from sse_jax import train as train_lib
+from sse_jax.train import config as config_lib
 from sse_jax.train import logs
 
 FLAGS = flags.FLAGS
@@ -104,17 +105,32 @@ def read_summary(job: Job) -> dict[str, Any] | None:
   return json.loads(path.read_text()) if path.exists() else None
 
 
-def check_finished_steps(jobs: list[Job]) -> None:
+def check_finished_runs(jobs: list[Job]) -> None:
   """A finished run is skipped and reported as it is: refuse one trained for another
-  number of steps than the config asks (e.g. a 2000-step workdir reused at 4000)."""
-  stale = [(job, summary["step"]) for job in jobs
-           if (summary := read_summary(job)) is not None
-           and summary.get("step") != job.config.num_steps]
+  number of steps than the config asks (e.g. a 2000-step workdir reused at 4000), or,
+  where its config.json is there, with any other field a resume would refuse (model,
+  data, batch size, ...; `sse_jax.train.config.fingerprint`)."""
+  stale = []
+  for job in jobs:
+    summary = read_summary(job)
+    if summary is None:
+      continue
+    if summary.get("step") != job.config.num_steps:
+      stale.append((job, f"finished after {summary.get('step')} steps, but the config "
+                         f"asks for {job.config.num_steps}"))
+      continue
+    saved = job.dir / "config.json"
+    if saved.exists():
+      differences = config_lib.diff(
+          config_lib.fingerprint(ml_collections.ConfigDict(json.loads(saved.read_text()))),
+          config_lib.fingerprint(job.config))
+      if differences:
+        stale.append((job, "was trained with another config: "
+                           + "; ".join(differences[:5])))
   if stale:
-    job, step = stale[0]
-    raise app.UsageError(
-        f"{job.dir} finished after {step} steps, but the config asks for "
-        f"{job.config.num_steps} ({len(stale)} such runs): use another --workdir")
+    job, why = stale[0]
+    raise app.UsageError(f"{job.dir} {why} ({len(stale)} such runs): use another "
+                         "--workdir")
 
 
 def read_partial(job: Job) -> dict[str, Any] | None:
@@ -164,6 +180,8 @@ def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
       if summary is not None:
         by_lr.setdefault(job.lr, []).append(dict(summary, seed=job.seed))
     finished = bool(by_lr)
+    # A finished run is reported from its finished jobs only: count the others.
+    missing = len(mine) - sum(map(len, by_lr.values()))
     if not finished:
       for job in mine:
         partial = read_partial(job)
@@ -182,6 +200,8 @@ def collect(cfg, jobs: list[Job]) -> list[dict[str, Any]]:
         metric_std=float(np.std(values)) if len(values) > 1 else 0.0,
         eval_loss=float(np.mean([s["eval"]["loss"] for s in ss])),
         finished=finished, step=int(min(s["step"] for s in ss)),
+        jobs=len(mine), jobs_missing=missing if finished else 0,
+        lr_seeds={lr: [s["seed"] for s in ss_] for lr, ss_ in by_lr.items()},
         params=ss[0].get("params"), tokens_per_s=_mean_of(ss, "tokens_per_s"),
         wall_time_s=float(np.sum([s.get("wall_time_s", 0.0) for s in ss])),
         curves=[s["history"] for s in ss], **router_stats(ss)))
@@ -222,6 +242,8 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
     m = fmt(r["metric"]) + (f" ± {r['metric_std']:.4f}" if r["seeds"] > 1 else "")
     if not r["finished"]:
       m += f" (unfinished: step {r['step']} of {cfg.train.num_steps})"
+    elif r.get("jobs_missing"):
+      m += f" ({r['jobs_missing']} of {r['jobs']} lr/seed jobs not finished)"
     per_seed = (_per_seed(r, " / ") + " | ") if many else ""
     lines.append(f"| {r['run']} | {label_text(r['labels'])} | {r['lr']:g} | {m} | {per_seed}"
                  f"{fmt(r['eval_loss'])} | {fmt(r['params'], '{:,}')} | "
@@ -230,6 +252,10 @@ def write_tables(cfg, rows, out: pathlib.Path, command: str) -> None:
   if not all(r["finished"] for r in plain):
     lines += ["", "Unfinished runs were stopped before the last step: their value is their"
               " last evaluation (hollow markers / white bars in the figure)."]
+  if any(r.get("jobs_missing") for r in plain):
+    lines += ["", "Some runs have lr/seed jobs that did not finish: such a run is reported"
+              " from its finished jobs only, and its best lr was chosen among learning rates"
+              " that may have different numbers of seeds (`lr_seeds` in results.json)."]
   if cfg.paper:
     lines += ["", "Paper: " + ", ".join(f"{k}: {v}" for k, v in dict(cfg.paper).items())]
   (out / "results.md").write_text("\n".join(lines) + "\n")
@@ -357,13 +383,22 @@ def train_group(group: list[Job]) -> None:
     train_lib.train_stacked([j.config for j in group], [str(j.dir) for j in group])
 
 
-def train_serially(groups: list[list[Job]]) -> None:
-  t0 = time.time()
+def train_serially(groups: list[list[Job]]) -> list[str]:
+  """Trains the groups one after another; returns the failed job ids. A run that fails
+  (e.g. a non-finite loss at a too-large learning rate) is reported and the sweep goes
+  on, as in train_in_parallel."""
+  t0, failed = time.time(), []
   for i, group in enumerate(groups, 1):
     what = ", ".join(f"lr={j.lr:g} seed={j.seed}" for j in group)
     print(f"[{i}/{len(groups)}] {group[0].run} {what} ({label_text(group[0].labels)}) -> "
           f"{group[0].dir.parent}  [{time.time() - t0:.0f}s elapsed]", flush=True)
-    train_group(group)
+    try:
+      train_group(group)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      failed += [_job_id(j) for j in group]
+      print(f"FAILED {', '.join(map(_job_id, group))}: {type(e).__name__}: "
+            f"{str(e)[:500]}", flush=True)
+  return failed
 
 
 _BOOL_FLAGS = ("--report_only",)  # flags that never take a separate value
@@ -451,10 +486,10 @@ def main(argv):
   unknown = [n for n in FLAGS.only if n not in names]
   if unknown:
     raise app.UsageError(f"--only: unknown run names {unknown}; runs: {sorted(names)}")
-  check_finished_steps(jobs)
+  check_finished_runs(jobs)
   command = "python -m experiments.ablation " + " ".join(  # what reproduces the runs
       _without(sys.argv[1:], ("--workdir", "--report_only", "--workers")))
-  failed = []
+  failed, interrupted = [], False
   if not FLAGS.report_only:
     todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
     pending = [j for j in todo if read_summary(j) is None]
@@ -462,10 +497,15 @@ def main(argv):
       print(f"{len(todo) - len(pending)} of {len(todo)} runs already finished: skipped",
             flush=True)
     groups = groups_of(pending, FLAGS.stack)
-    if FLAGS.workers > 1 and len(groups) > 1:
-      failed = train_in_parallel(groups, FLAGS.workers)
-    else:
-      train_serially(groups)
+    try:
+      if FLAGS.workers > 1 and len(groups) > 1:
+        failed = train_in_parallel(groups, FLAGS.workers)
+      else:
+        failed = train_serially(groups)
+    except KeyboardInterrupt:
+      # Still report what finished (and how far the rest got), then exit as interrupted.
+      interrupted = True
+      print("interrupted: reporting the runs so far", flush=True)
   rows = collect(cfg, jobs)
   if not rows:
     raise SystemExit(f"no finished runs under {root}")
@@ -478,8 +518,11 @@ def main(argv):
     for name in ("results.json", "results.csv", "results.md", f"{cfg.name}.png"):
       shutil.copy(root / name, dest / name)
     print(f"copied the report to {dest}")
+  if interrupted:
+    raise SystemExit(130)
   if failed:
-    raise SystemExit(f"{len(failed)} runs failed (see their train.log): {failed}")
+    raise SystemExit(f"{len(failed)} runs failed (see the output above, or their "
+                     f"train.log with --workers): {failed}")
 
 
 if __name__ == "__main__":

@@ -144,12 +144,15 @@ def test_several_seeds_report_mean_spread_and_every_seed(tmp_path):
   (row,) = ablation.collect(cfg, jobs)
   assert row["seeds_used"] == [0, 2] and row["values"] == [0.2, 0.4]
   ablation.write_tables(cfg, [row], tmp_path, "cmd")
-  assert "| s0 0.200 / s2 0.400 |" in (tmp_path / "results.md").read_text()
+  table = (tmp_path / "results.md").read_text()
+  assert "| s0 0.200 / s2 0.400 |" in table
+  assert "(1 of 3 lr/seed jobs not finished)" in table and "from its finished jobs" in table
+  assert row["jobs_missing"] == 1 and row["lr_seeds"] == {jobs[0].lr: [0, 2]}
   ablation.plot(cfg, [row], tmp_path / "fig.png")
   assert (tmp_path / "fig.png").stat().st_size > 0
 
 
-def test_a_finished_run_of_other_length_is_refused(tmp_path):
+def test_a_finished_run_of_other_length_or_config_is_refused(tmp_path):
   cfg = table8.get_config("cpu")
   jobs = ablation.expand(cfg, tmp_path)
   jobs[0].dir.mkdir(parents=True)
@@ -157,7 +160,59 @@ def test_a_finished_run_of_other_length_is_refused(tmp_path):
              "eval": _eval_record(1, 1.0, 0.5), "history": []}
   (jobs[0].dir / "summary.json").write_text(json.dumps(summary))
   with pytest.raises(ablation.app.UsageError, match="use another --workdir"):
-    ablation.check_finished_steps(jobs)
+    ablation.check_finished_runs(jobs)
   summary["step"] = cfg.train.num_steps
   (jobs[0].dir / "summary.json").write_text(json.dumps(summary))
-  ablation.check_finished_steps(jobs)  # the same length: fine
+  ablation.check_finished_runs(jobs)  # the same length: fine
+  # Its config.json (as the trainer writes it) agrees: fine; another batch size or
+  # model width: refused, naming the field; a run-control field (eval_every): fine.
+  saved = jobs[0].dir / "config.json"
+  saved.write_text(jobs[0].config.to_json_best_effort(indent=2, sort_keys=True))
+  ablation.check_finished_runs(jobs)
+  for path, value in (("batch_size", 3), ("model.hidden", 24)):
+    other = ablation.expand(cfg, tmp_path)
+    ablation.set_path(other[0].config, path, value)
+    with pytest.raises(ablation.app.UsageError, match=path.replace(".", r"\.")):
+      ablation.check_finished_runs(other)
+  other = ablation.expand(cfg, tmp_path)
+  other[0].config.eval_every = 7
+  ablation.check_finished_runs(other)
+
+
+def test_serial_sweep_goes_on_after_a_failed_run_and_reports_when_interrupted(
+    tmp_path, monkeypatch):
+  """Serial mode: a failing run (here a stand-in that raises) is reported and the next
+  runs still train; Ctrl-C during a run still writes the report of what finished, and
+  exits with 130."""
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def fake_train(group, fail=("separate",), interrupt=()):
+    job = group[0]
+    calls.append(job.run)
+    if job.run in fail:
+      raise FloatingPointError("non-finite loss at step 3")
+    if job.run in interrupt:
+      raise KeyboardInterrupt
+    job.dir.mkdir(parents=True, exist_ok=True)
+    summary = {"step": job.config.num_steps, "finished": True,
+               "eval": _eval_record(2, 1.0, 0.5), "history": [], "params": 1}
+    (job.dir / "summary.json").write_text(json.dumps(summary))
+
+  cfg = table8.get_config("cpu")
+  jobs = ablation.expand(cfg, tmp_path)
+  monkeypatch.setattr(ablation, "train_group", fake_train)
+  failed = ablation.train_serially([[j] for j in jobs][::-1])  # the failing run first
+  assert calls == [j.run for j in jobs][::-1]
+  assert failed == [ablation._job_id(j) for j in jobs if j.run == "separate"]
+
+  monkeypatch.setattr(ablation, "train_group",
+                      lambda g: fake_train(g, fail=(), interrupt=("separate",)))
+  argv = ["ablation", "--config=configs/table8.py:cpu", f"--workdir={tmp_path / 'w'}"]
+  with flagsaver.flagsaver():
+    ablation.FLAGS(argv)
+    with pytest.raises(SystemExit) as exit_info:
+      ablation.main([])
+  assert exit_info.value.code == 130
+  report = (tmp_path / "w" / cfg.name / "results.md").read_text()
+  assert "shared" in report

@@ -98,6 +98,7 @@ def test_default_config_is_valid_and_documented():
     ("compute_dtype", "float16", "compute_dtype='float16' must be one of"),
     ("min_lr_ratio", 2.0, "min_lr_ratio=2.0 must lie in"),
     ("mesh", {"data": 0, "model": 1}, "needs data >= 1 or -1"),
+    ("num_steps", 100, r"warmup_steps=100 must be < num_steps \(100\)"),
 ])
 def test_bad_values_are_named(field, value, message):
   config = default_config()
@@ -126,6 +127,16 @@ def test_eval_data_defaults_to_a_held_out_stream():
                                                  "split": "validation"}
   config.data = {"kind": "retrieval", "split": "validation", "seed": 3}
   assert config_lib.eval_data_config(config)["seed"] == 4  # already validation: new seed
+  config.data = {"kind": "retrieval"}  # its default split is validation: new seed too
+  assert config_lib.eval_data_config(config) == {"kind": "retrieval", "seed": 1}
+  # A missing split is the kind's default (train): evaluation reads validation.
+  for kind in ("mqar", "shakespeare", "tfds"):
+    config.data = {"kind": kind, "seq_len": 32}
+    assert config_lib.eval_data_config(config) == {"kind": kind, "seq_len": 32,
+                                                   "split": "validation"}
+  config.data = {"kind": "shakespeare", "split": "validation"}  # nothing held out
+  with pytest.raises(ValueError, match="eval_data"):
+    config_lib.eval_data_config(config)
   config.eval_data = {"kind": "mqar", "split": "test"}
   assert config_lib.eval_data_config(config) == {"kind": "mqar", "split": "test"}
 
@@ -306,3 +317,28 @@ def test_config_json_round_trip(tmp_path):
   loaded = load_config(str(path))
   assert json.loads(loaded.to_json()) == json.loads(config.to_json())
   assert config_lib.fingerprint(loaded) == config_lib.fingerprint(config)
+
+
+def test_bf16_compute_keeps_fp32_master_weights():
+  """compute_dtype="bfloat16": parameters and optimizer state stay float32 (the
+  master weights), while the step's matmuls run on bf16 operands."""
+  from sse_jax import train  # pylint: disable=g-import-not-at-top
+  config = default_config()
+  config.model.hidden, config.model.mlp_dim, config.batch_size = 32, 64, 4
+  config.compute_dtype = "bfloat16"
+  program = train.build(config)
+  target = program.restore_target()
+  floats = [x.dtype for x in jax.tree.leaves(target) if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert floats and set(floats) == {jnp.dtype("float32")}, set(floats)
+
+  def dot_dtypes(compute_dtype):
+    config.compute_dtype = compute_dtype
+    program = train.build(config)
+    with jax.set_mesh(program.mesh):
+      text = program.train_step.lower(
+          program.restore_target(), program.abstract_batch(64, config.batch_size)).as_text()
+    return re.findall(r"stablehlo.dot_general .*-> tensor<[\dx]*x(\w+)>", text)
+
+  bf16, fp32 = dot_dtypes("bfloat16"), dot_dtypes("float32")
+  assert bf16.count("bf16") > len(bf16) // 2, bf16
+  assert fp32 and "bf16" not in fp32, fp32

@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -248,8 +249,38 @@ def test_corrupt_checkpoint_is_named(ref, tmp_path):
       path.write_bytes(b"garbage" * 10)
   with pytest.raises(train.CheckpointError,
                      match=r"cannot resume from .*checkpoints/30 \(workdir .*copy\): "
-                           r"orbax/grain could not read it .* Other steps there: \[20\]"):
+                           r"orbax(/grain)? could not read (it|its array metadata) .* "
+                           r"Other steps there: \[20\]"):
     train.train_and_evaluate(ref_config(), str(workdir))
+
+
+def test_stored_arrays_are_checked_before_restoring(ref, tmp_path):
+  """orbax casts stored arrays to the target's dtype: the checkpoint's own metadata is
+  compared with the state to restore, naming the array; a missing step is named too."""
+  from sse_jax.train import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from sse_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
+  workdir = copy_ref(ref, tmp_path)
+  config = ref_config()
+  state, step = train.load_state(config, str(workdir))
+  assert step == STEPS
+  target = program_lib.build(config).restore_target()
+  leaves, treedef = jax.tree.flatten(target)
+  i = next(i for i, x in enumerate(leaves) if x.dtype == jnp.float32 and x.ndim == 2)
+  for bad in (jax.ShapeDtypeStruct(leaves[i].shape, jnp.bfloat16, sharding=leaves[i].sharding),
+              jax.ShapeDtypeStruct(leaves[i].shape[::-1] + (1,), jnp.float32,
+                                   sharding=leaves[i].sharding)):
+    wrong = jax.tree.unflatten(treedef, leaves[:i] + [bad] + leaves[i + 1:])
+    checkpoints = ckpt.Checkpoints(str(workdir), keep=10)
+    try:
+      with pytest.raises(train.CheckpointError,
+                         match=r"is stored as float32\[.*\], the state to restore has "
+                               rf"{bad.dtype}"):
+        checkpoints.restore(STEPS, wrong)
+    finally:
+      checkpoints.close()
+  with pytest.raises(train.CheckpointError, match=r"no checkpoint of step 25 .* \[20, 30\]"):
+    train.load_state(config, str(workdir), step=25)
+  del state
 
 
 def test_garbage_step_directory_is_named(ref, tmp_path):
@@ -460,7 +491,9 @@ for line in text.splitlines():
               for dims in re.findall(r"\\w+\\[([\\d,]*)\\]", result)]
     op = re.search(r'op_name="([^"]*)"', line)
     gathers.append({"shapes": shapes, "op": op.group(1) if op else "", "line": line.strip()})
-print(json.dumps({"gathers": gathers, "all_reduces": text.count("all-reduce("),
+other = {op: len(re.findall(rf" {op}(-start)?\\(", text))
+         for op in ("all-to-all", "collective-permute", "reduce-scatter")}
+print(json.dumps({"gathers": gathers, "all_reduces": text.count("all-reduce("), "other": other,
                   "mesh": dict(program.mesh.shape)}))
 """
 
@@ -495,4 +528,53 @@ def test_step_is_data_parallel_and_sse_packing_stays_local(hlo):
   # shard and the router's top-k is a sort GSPMD partitions: nothing is gathered.
   gathered = batch_gathers(hlo)
   assert not gathered, json.dumps(gathered, indent=1)
+  # Nor are activations moved between shards any other way (with the SSE op's
+  # per-shard map switched off, GSPMD's partitioning of the packing adds all-to-alls
+  # and collective-permutes besides the all-gathers).
+  assert hlo["other"] == {"all-to-all": 0, "collective-permute": 0, "reduce-scatter": 0}, hlo
 
+
+
+def test_retrieval_probe_by_context_length(tmp_path):
+  """`experiments.retrieval_probe` on a two-step byte-level run: per length, the
+  needle examples of that length, scored as a direct forward pass of the checkpoint's
+  model scores them (answer bytes only); a non-byte-level run is refused."""
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from experiments import retrieval_probe  # pylint: disable=g-import-not-at-top
+  from sse_jax.data import RetrievalConfig, RetrievalSource  # pylint: disable=g-import-not-at-top
+  from sse_jax.train import probe  # pylint: disable=g-import-not-at-top
+  c = train.default_config()
+  c.data = {"kind": "shakespeare", "seq_len": 32}
+  c.model.pattern, c.model.hidden, c.model.mlp_dim = "SA", 32, 64
+  c.model.sse = {"num_partitions": 2, "top_k": 1, "chunk_size": 16}
+  c.model.attention = {}
+  c.batch_size, c.num_steps, c.warmup_steps, c.eval_batches = 4, 2, 0, 1
+  c.compute_dtype, c.progress, c.lr = "float32", False, 1e-2
+  workdir = tmp_path / "w"
+  train.train_and_evaluate(c, str(workdir))
+  argv = ["probe", f"--workdir={workdir}", "--lengths=96,128", "--num_examples=4",
+          "--batch_size=4", "--num_digits=3", f"--out={tmp_path / 'out'}"]
+  with flagsaver.flagsaver():
+    retrieval_probe.FLAGS(argv)
+    retrieval_probe.main([])
+  rows = json.loads((tmp_path / "out" / "retrieval.json").read_text())["rows"]
+  assert [r["seq_len"] for r in rows] == [96, 128] and rows[0]["step"] == 2
+  assert (tmp_path / "out" / "retrieval.png").stat().st_size > 10_000
+  state, _ = train.load_state(c, str(workdir))
+  model = nnx.merge(train.build(c).graphdef, state.params)
+  for row in rows:
+    src = RetrievalSource(RetrievalConfig(seq_len=row["seq_len"], num_digits=3,
+                                          num_examples=4))
+    batch = {k: np.stack([src[i][k] for i in range(4)]) for k in src[0]}
+    logp = jax.nn.log_softmax(model(jnp.asarray(batch["inputs"])).logits, -1)
+    nll = -np.take_along_axis(np.asarray(logp), batch["targets"][..., None], -1)[..., 0]
+    hit = np.asarray(logp).argmax(-1) == batch["targets"]
+    on = batch["weights"] > 0
+    assert on.sum() == 4 * 3
+    np.testing.assert_allclose(row["answer_ce"], nll[on].mean(), rtol=1e-4)
+    assert row["digit_accuracy"] == pytest.approx(hit[on].mean())
+    assert row["exact_match"] == pytest.approx(np.mean([hit[i][on[i]].all() for i in range(4)]))
+  c.data = {"kind": "mqar", "vocab_size": 64, "num_pairs": 4, "seq_len": 32}
+  with pytest.raises(ValueError, match="not byte-level"):
+    probe.retrieval_by_length(c, str(workdir), [64])

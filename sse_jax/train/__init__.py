@@ -9,7 +9,8 @@ Files under the workdir: config.json, metrics.jsonl, tb/ (TensorBoard events),
 checkpoints/<step>/ (orbax), summary.json (when finished).
 `train_stacked(configs, workdirs)` trains runs that differ only in lr and seed as one
 vmapped program (each still gets its own workdir). Lower level: `build(config) -> Program` (mesh, shardings, init, jitted train / eval
-steps) and `load_state(config, workdir)`. Multi-host: call `jax.distributed.initialize`
+steps) and `load_state(config, workdir)`; `probe.retrieval_by_length` scores a
+byte-level run's needle retrieval by context length. Multi-host: call `jax.distributed.initialize`
 first (or use `python -m sse_jax.train --coordinator=...`).
 """
 

@@ -108,6 +108,7 @@ class Checkpoints:
     """The state at `step` laid out as `target` (ShapeDtypeStructs with shardings); moves
     `data_iterator` (if given) to where it was when the checkpoint was written."""
     ocp = _ocp()
+    self._check_stored_arrays(step, target)
     items = {"state": ocp.args.StandardRestore(target._asdict())}
     if data_iterator is not None:
       items["data"] = _grain_checkpoint().CheckpointRestore(data_iterator)
@@ -116,13 +117,34 @@ class Checkpoints:
       restored = self.manager.restore(step, args=args)
     except Exception as e:  # pylint: disable=broad-except
       self._fail(step, f"orbax/grain could not read it ({type(e).__name__}: {e})", e)
-    state = TrainState(**restored.state)
-    paths, leaves = _paths_and_leaves(state)
-    for path, got, want in zip(paths, leaves, _paths_and_leaves(target)[1]):
-      if got.shape != want.shape or got.dtype != want.dtype:
-        self._fail(step, f"{path} is {got.dtype}{list(got.shape)}, expected "
-                   f"{want.dtype}{list(want.shape)}")
-    return state
+    return TrainState(**restored.state)
+
+  def _check_stored_arrays(self, step: int, target: TrainState) -> None:
+    """Compares the shapes and dtypes orbax recorded for `step` with the target's.
+
+    Restoring does not do it for us: orbax casts a stored array to the target's dtype
+    (a float32 checkpoint comes back as bf16 without a word). The config fingerprint
+    already refuses another param_dtype or model; this catches the rest (e.g. a state
+    layout changed by the code between save and resume).
+    """
+    try:
+      from etils import epath  # pylint: disable=g-import-not-at-top  (orbax's own)
+      stored = _ocp().StandardCheckpointHandler().metadata(
+          epath.Path(self.directory) / str(step) / "state").tree
+    except Exception as e:  # pylint: disable=broad-except
+      self._fail(step, f"orbax could not read its array metadata ({type(e).__name__}: "
+                 f"{e})", e)
+    have = dict(zip(*_paths_and_leaves(stored)))
+    for path, want in zip(*_paths_and_leaves(target._asdict())):
+      got = have.pop(path, None)
+      if got is None:
+        self._fail(step, f"it has no array {path} (the state to restore has "
+                   f"{want.dtype}{list(want.shape)})")
+      if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        self._fail(step, f"{path} is stored as {got.dtype}{list(got.shape)}, the state "
+                   f"to restore has {want.dtype}{list(want.shape)}")
+    if have:
+      self._fail(step, f"it holds arrays the state to restore lacks: {sorted(have)[:5]}")
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -145,6 +167,9 @@ def load_state(config, workdir: str, step: int | None = None) -> tuple[TrainStat
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"no checkpoint in {checkpoints.directory} (workdir {workdir})")
+    if step not in checkpoints.manager.all_steps():
+      raise CheckpointError(f"no checkpoint of step {step} in {checkpoints.directory}; "
+                            f"steps there: {sorted(checkpoints.manager.all_steps())}")
     checkpoints.check(step, checkpoints.read_meta(step), config_lib.fingerprint(config),
                       data=False)
     return checkpoints.restore(step, program.restore_target()), step
@@ -153,5 +178,13 @@ def load_state(config, workdir: str, step: int | None = None) -> tuple[TrainStat
 
 
 def _paths_and_leaves(tree) -> tuple[list[str], list[Any]]:
+  """Leaves with their paths as "a/b/0" (key names only, so that the state's pytree and
+  orbax's metadata tree of it, built from other node types, give the same paths)."""
+  def name(entry):
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        return str(getattr(entry, attr))
+    return str(entry)
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return [jax.tree_util.keystr(p) for p, _ in flat], [leaf for _, leaf in flat]
+  return (["/".join(name(e) for e in path) for path, _ in flat],
+          [leaf for _, leaf in flat])

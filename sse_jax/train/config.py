@@ -44,7 +44,9 @@ def default_config():
                     [MQAR: vocab 128, 8 pairs, 64 tokens]
   eval_data         config of the evaluation stream; None: `data` with
                     split="validation" (MQAR: an independent held-out stream), or, when
-                    `data` already reads the validation split, with seed + 1 [None]
+                    `data` already reads the validation split (a missing split is the
+                    kind's default), with seed + 1; an error for a kind without a
+                    seed [None]
   seed              model init, data shuffling and the training RNG [0]
   batch_size        GLOBAL batch: sequences per step over all processes and devices [32]
   data_workers      processes making the training batches (0: threads of this process);
@@ -126,6 +128,10 @@ def validate(config) -> None:
     value = config[field]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       _fail(field, value, "must be an integer >= 0")
+  if 0 < config.num_steps <= config.warmup_steps:
+    _fail("warmup_steps", config.warmup_steps,
+          f"must be < num_steps ({config.num_steps}): the run would end inside its "
+          "warm-up, before the peak lr, with no cosine decay")
   if not config.lr > 0:
     _fail("lr", config.lr, "must be > 0")
   if not 0 <= config.min_lr_ratio <= 1:
@@ -169,14 +175,27 @@ def model_config(config) -> ModelConfig:
 
 
 def eval_data_config(config) -> dict:
-  """The evaluation stream's data config (see `default_config`, field eval_data)."""
+  """The evaluation stream's data config (see `default_config`, field eval_data).
+
+  Without `eval_data`, the training config with split="validation"; when the training
+  stream already reads the validation split (a missing `split` counts as the kind's
+  default split), a seeded kind gets seed + 1, and any other kind is an error: there is
+  no held-out stream to derive, and evaluating on the training data must not pass
+  silently.
+  """
   if config.eval_data is not None:
     return to_dict(config.eval_data)
+  from sse_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   data = to_dict(config.data)
-  if data.get("split", "validation") != "validation":
+  split = data.get("split", pipeline.default_config(data["kind"]).get("split"))
+  if split != "validation":
     data["split"] = "validation"
-  elif "seed" in data:
-    data["seed"] += 1
+  elif "seed" in pipeline.default_config(data["kind"]):
+    data["seed"] = data.get("seed", 0) + 1
+  else:
+    _fail("eval_data", None, f"cannot be derived: data (kind {data['kind']!r}) already "
+          "reads the validation split and has no seed; set eval_data to a held-out "
+          "stream")
   return data
 
 
