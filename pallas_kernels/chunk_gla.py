@@ -82,6 +82,8 @@ from sse_jax.ops import chunked
 
 SUB = 16  # L: rows of a sub-chunk.
 _VALID_D = (16, 32, 64, 128, 256)
+HEAD_DIMS = _VALID_D  # the head dims Dk, Dv the kernels support
+CHUNKS = (16, 32, 64, 128)  # the chunk lengths they support
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,7 @@ class BlockSizes:
   computes each chunk's own term on the way (else a parallel local-term kernel and a
   sweep). walk_programs: the fused walk uses the sweep tiles while its grid at those
   tiles has at most this many programs, else the block tiles. low_precision_states:
-  keep the per-chunk states in the inputs' dtype when that is 16-bit.
+  keep the per-chunk states in bf16 when the matmul operands are bf16.
   """
 
   chunk: int = 64
@@ -134,8 +136,8 @@ class BlockSizes:
   low_precision_states: bool = True
 
   def __post_init__(self):
-    if self.chunk not in (16, 32, 64, 128):
-      raise ValueError(f"chunk={self.chunk} must be one of 16, 32, 64, 128")
+    if self.chunk not in CHUNKS:
+      raise ValueError(f"chunk={self.chunk} must be one of {CHUNKS}")
     for name in ("block_k", "block_v", "sweep_k", "sweep_v"):
       value = getattr(self, name)
       if value not in _VALID_D:
@@ -734,10 +736,11 @@ def _fused_states(x, b, z, init, start, count, bs, interpret, reverse):
 
 
 def _seq_dtype(bs: BlockSizes, dtype) -> jnp.dtype:
-  """dtype of the per-chunk states: fp32, or 16-bit inputs' own with
-  BlockSizes.low_precision_states (the final states are fp32 either way)."""
+  """dtype of the per-chunk states: fp32, or bf16 for bf16 operands with
+  BlockSizes.low_precision_states (the final states are fp32 either way; float16's
+  range would overflow in them)."""
   dtype = jnp.dtype(dtype)
-  if bs.low_precision_states and dtype in (jnp.bfloat16, jnp.float16):
+  if bs.low_precision_states and dtype == jnp.bfloat16:
     return dtype
   return jnp.dtype(jnp.float32)
 
@@ -905,8 +908,8 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
 
 
 def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
-  """_dqkb as two kernels (BlockSizes.split_dqk): inter-chunk terms per (chunk, Dk
-  block of bk_inter columns), then intra-chunk terms per (sub-block, Dk block of
+  """_dqkb as two kernels (BlockSizes.split_dqk): inter-chunk terms per (chunk, head,
+  Dk block of bk_inter columns), then intra-chunk terms per (chunk, head, Dk block of
   block_k columns), updating the first kernel's buffers."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
@@ -989,9 +992,10 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def storage_dtype_for(dtype) -> jnp.dtype:
-  """16-bit inputs stay 16-bit (bf16 matmuls, fp32 accumulation); others run fp32."""
+  """bf16 inputs stay bf16 (bf16 matmuls, fp32 accumulation); others run fp32 (float16
+  too: its range overflows in the states)."""
   dtype = jnp.dtype(dtype)
-  return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+  return dtype if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
 _FORCE_INTERPRET: list[bool] = []
@@ -1042,7 +1046,7 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
 
   Args:
     q, k, g: [B, NC, C, H, Dk]; v: [B, NC, C, H, Dv]; q already scaled. q, k, v are
-      cast to `storage_dtype` (default: q's dtype if 16-bit, else fp32): the dtype of
+      cast to `storage_dtype` (default: bf16 if q is bf16, else fp32): the dtype of
       the matmul operands. g and everything accumulated are fp32.
     h0: [Z, H, Dk, Dv]; seg_start, seg_chunks: int [Z] over the flattened B * NC chunks.
     block_sizes: tiles; default BlockSizes(chunk=C) (see block_size_defaults).

@@ -15,7 +15,7 @@ from sse_jax import ops
 from tests.op_testing import assert_close, random_qkvg, random_routing, x64
 
 F64_TOL = 1e-6
-BF16_TOL = 1e-2
+BF16_TOL = 5e-3  # the issue's target for bf16 against the float32 scan
 IMPLS = ("loop", "masking", "varlen")
 
 
@@ -209,6 +209,10 @@ def _sse_args(**over):
     (dict(impl="chunk"), "impl='chunk' is not available for sse"),
     (dict(shared=(jnp.zeros((1, 8, 2, 4)),) * 3), "shared q' must have the shape of k"),
     (dict(initial_state=jnp.zeros((1, 3, 2, 8, 8))), r"initial_state must have shape \(1, 4, 2, 8, 8\)"),
+    (dict(initial_state=(jnp.zeros((1, 4, 2, 8, 8)), jnp.zeros((1, 2, 8, 8)))),
+     "initial_state is a tuple, but shared is None"),
+    (dict(chunk_size=256, impl="pallas_varlen"), "chunk_size=256: impl='pallas_varlen'"),
+    (dict(scale=jnp.ones((1, 2))), "scale must be a scalar"),
 ])
 def test_bad_inputs_raise(bad, match):
   args, kwargs = _sse_args(**bad)
@@ -236,3 +240,36 @@ def test_varlen_memory_grows_with_k_not_n():
   """Compiled temporary memory at B=2, T=8192, K=1: N=32 < 1.5 x N=4 for varlen."""
   m4, m32 = _temp_bytes(4, "varlen"), _temp_bytes(32, "varlen")
   assert m32 < 1.5 * m4, (m4, m32)
+
+
+@pytest.mark.parametrize("impl", ["scan", "loop", "masking", "varlen", "pallas_masking",
+                                  "pallas_varlen"])
+def test_no_tokens_keeps_the_initial_states(impl):
+  b, h, d, n = 2, 2, 16, 3
+  x = jnp.zeros((b, 0, h, d))
+  h0 = jax.random.normal(jax.random.PRNGKey(0), (b, n, h, d, d))
+  h0s = jax.random.normal(jax.random.PRNGKey(1), (b, h, d, d))
+  o, (f, fs) = ops.sse(x, x, x, x, jnp.zeros((b, 0, 1)), jnp.zeros((b, 0, 1), jnp.int32),
+                       num_partitions=n, impl=impl, shared=(x, x, x),
+                       initial_state=(h0, h0s), output_final_state=True)
+  assert o.shape == (b, 0, h, d)
+  np.testing.assert_array_equal(f, h0)
+  np.testing.assert_array_equal(fs, h0s)
+
+
+@pytest.mark.parametrize("impl", ["masking", "varlen", "pallas_varlen"])
+def test_out_of_range_ids_under_jit_are_ignored_alike(impl):
+  """Under jit an id outside [0, N) cannot be checked (the caller's contract); every
+  impl then ignores that selection, as the scan does, instead of varlen writing it into
+  another (sequence, partition) segment. B = 2: id N would be sequence 1's partition 0."""
+  n, b, t, h, d = 3, 2, 40, 1, 16
+  x = random_qkvg(jax.random.PRNGKey(3), b, t, h, d, d)
+  w = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(4), (b, t, n)), -1)
+  w, idx = jax.lax.top_k(w, 2)
+  idx = idx.at[0, 3, 0].set(n).at[0, 7, 1].set(-1).at[1, 9, 0].set(n + 5)
+  run = lambda impl: jax.jit(lambda *a: ops.sse(
+      *a, num_partitions=n, impl=impl, output_final_state=True, chunk_size=16))(
+          *x, w, idx)
+  (o_ref, f_ref), (o, f) = run("scan"), run(impl)
+  assert_close(o, o_ref, 1e-5, "o")
+  assert_close(f, f_ref, 1e-5, "final_state")

@@ -15,5 +15,6 @@ def test_ops_run_per_shard_without_all_gather():
                         env=env, capture_output=True, text=True, timeout=900)
   report = proc.stdout + proc.stderr[-3000:]
   assert proc.returncode == 0, report
-  for impl in ("varlen", "masking", "pallas_varlen"):
+  for impl in ("varlen", "masking", "pallas_varlen", "pallas_masking", "varlen packed",
+               "pallas_varlen packed"):
     assert f"{impl}: max rel err" in proc.stdout and "FAIL" not in proc.stdout, report

@@ -44,6 +44,24 @@ def parse_enum(enum_cls: type[enum.Enum], value: Any, name: str) -> Any:
     raise ValueError(f"{name}={value!r} is not one of {choices}") from None
 
 
+def as_array(name: str, x):
+  """x as an array (lists and numpy arrays are converted); None stays None."""
+  if x is None or isinstance(x, jax.Array):
+    return x
+  if isinstance(x, (tuple, dict)) and not isinstance(x, np.ndarray):
+    raise ValueError(f"{name} must be an array, got a {type(x).__name__}")
+  try:
+    return jnp.asarray(x)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}: {e}") from None
+
+
+def check_scale(scale) -> None:
+  """scale multiplies q: None (Dk ** -0.5) or one number."""
+  if scale is not None and jnp.ndim(scale) != 0:
+    raise ValueError(f"scale must be a scalar, got shape {tuple(jnp.shape(scale))}")
+
+
 def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
@@ -135,6 +153,9 @@ def check_routing(weights, indices, batch: int, length: int,
 def check_state(name: str, state, expected: tuple[int, ...]) -> None:
   if state is None:
     return
+  if not hasattr(state, "shape"):
+    raise ValueError(f"{name} must be an array of shape {tuple(expected)}, got a "
+                     f"{type(state).__name__}")
   if tuple(state.shape) != tuple(expected):
     raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(state.shape)}")
   check_floating(name, state)

@@ -29,6 +29,17 @@ import jax.numpy as jnp
 
 SUBCHUNK = 16  # L: sub-chunk length of the overflow-safe intra-chunk factorisation.
 
+# Log decays below this are raised to it before the in-chunk cumulative sums. exp(-200)
+# is 0 in fp32 and 1e-87 in fp64, so values and gradients do not change, but g = -inf
+# (a hard reset) or -1e38 no longer turns a difference of cumulative sums into
+# -inf - (-inf) = NaN, and large magnitudes do not eat the sums' precision.
+LOG_DECAY_FLOOR = -200.0
+
+
+def floor_log_decay(g: jax.Array) -> jax.Array:
+  """max(g, LOG_DECAY_FLOOR): what the chunked paths use as g (see LOG_DECAY_FLOOR)."""
+  return jnp.maximum(g, jnp.asarray(LOG_DECAY_FLOOR, g.dtype))
+
 
 def _exp_masked(x: jax.Array, mask: jax.Array) -> jax.Array:
   """exp(x) where mask, else 0 -- without ever evaluating exp on masked (possibly

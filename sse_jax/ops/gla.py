@@ -9,6 +9,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sse_jax.ops import checks
 from sse_jax.ops import chunked
@@ -33,11 +34,19 @@ def parse_impl(impl, allowed: tuple[Impl, ...], op: str) -> Impl:
   return impl
 
 
-def check_chunk_size(chunk_size: int) -> None:
-  if (not isinstance(chunk_size, int) or chunk_size < chunked.SUBCHUNK
-      or chunk_size % chunked.SUBCHUNK):
+def check_chunk_size(chunk_size: int, impl: Impl | None = None) -> int:
+  """chunk_size as an int: a positive multiple of 16, one the Pallas kernels support
+  for a Pallas impl."""
+  if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
+      or chunk_size < chunked.SUBCHUNK or chunk_size % chunked.SUBCHUNK):
     raise ValueError(
         f"chunk_size={chunk_size!r} must be a positive multiple of {chunked.SUBCHUNK}")
+  if impl is not None and impl.is_pallas:
+    from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
+    if chunk_size not in pallas_chunk_gla.CHUNKS:
+      raise ValueError(f"chunk_size={chunk_size}: impl={impl.value!r} supports chunk "
+                       f"sizes {pallas_chunk_gla.CHUNKS}")
+  return int(chunk_size)
 
 
 def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chunk_gla):
@@ -111,27 +120,38 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
     initial_state: [B, H, Dk, Dv], or [S, H, Dk, Dv] with `cu_seqlens`.
     output_final_state: also return the final state(s).
     cu_seqlens: int32 [S + 1] boundaries of S sequences packed along T (needs B == 1);
-      no information crosses a boundary.
+      no information crosses a boundary. It must start at 0, never decrease and end
+      at T: checked on concrete values; under `jit` (a traced cu_seqlens) that is the
+      caller's contract, and other values give wrong results.
     impl: "chunk" (default), "pallas_chunk", "auto" or "scan" (reference).
-    chunk_size: C, a multiple of 16.
+    chunk_size: C, a multiple of 16 (16, 32, 64 or 128 for "pallas_chunk").
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None). States are float32, or
     float64 when the inputs are float64.
   """
+  q, k, v, g, cu_seqlens = (checks.as_array(name, x) for name, x in (
+      ("q", q), ("k", k), ("v", v), ("g", g), ("cu_seqlens", cu_seqlens)))
+  initial_state = checks.as_array("initial_state", initial_state)
   b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
-  impl = impl_lib.resolve_auto(parse_impl(impl, GLA_IMPLS, "gla"), "gla")
-  check_chunk_size(chunk_size)
+  impl = impl_lib.resolve_auto(parse_impl(impl, GLA_IMPLS, "gla"), "gla", (dk, dv))
+  chunk_size = check_chunk_size(chunk_size, impl)
+  checks.check_scale(scale)
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
   checks.check_state("initial_state", initial_state, (nstate, h, dk, dv))
   dtype = checks.compute_dtype(q, k, v, g, initial_state)
   scale = dk ** -0.5 if scale is None else scale
   out_dtype = v.dtype
-  qkv_dtype = impl_lib.storage_dtype(impl, q.dtype, dtype)
+  qkv_dtype = impl_lib.storage_dtype(impl, (q.dtype, k.dtype, v.dtype), dtype)
   q = (q.astype(dtype) * scale).astype(qkv_dtype)
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
+  if impl is not Impl.SCAN:
+    g = chunked.floor_log_decay(g)
   h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
         else initial_state.astype(dtype))
+  if t == 0:  # no tokens: nothing to compute, every state stays as it was
+    o = jnp.zeros((b, 0, h, dv), out_dtype)
+    return o, (h0 if output_final_state else None)
 
   def run(q, k, v, g, h0):
     if impl is Impl.SCAN:
@@ -139,7 +159,9 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
     return chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size,
                        impl_lib.chunk_core(impl, qkv_dtype))
 
-  axes = None if cu_seqlens is not None else sharding.shard_axes(b, h)
+  # With cu_seqlens (B == 1) only the heads can be sharded: shard_axes finds no batch
+  # axis that divides 1, and each device runs its heads over the whole packed T.
+  axes = sharding.shard_axes(b, h)
   if axes is None:
     o, final = run(q, k, v, g, h0)
   else:  # one shard of the batch and heads per device: see `sharding`

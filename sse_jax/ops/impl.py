@@ -22,7 +22,8 @@ class Impl(enum.Enum):
            x dense, independent of N: best at long T.
   PALLAS_* the same algorithms with the chunked GLA as Pallas GPU kernels
            (`pallas_kernels.chunk_gla`); without a GPU they run in interpret mode (slow,
-           for testing). 16-bit inputs stay 16-bit in the matmuls (fp32 accumulation).
+           for testing). bf16 inputs stay bf16 in the matmuls (fp32 accumulation);
+           float16 runs in fp32 (see `storage_dtype`).
   AUTO     PALLAS_CHUNK / PALLAS_VARLEN on GPU, CHUNK / VARLEN elsewhere.
   """
 
@@ -46,11 +47,15 @@ SSE_IMPLS = (Impl.SCAN, Impl.LOOP, Impl.MASKING, Impl.VARLEN, Impl.PALLAS_MASKIN
              Impl.PALLAS_VARLEN, Impl.AUTO)
 
 
-def resolve_auto(impl: Impl, op: str) -> Impl:
-  """AUTO -> the fastest implementation available on the default backend."""
+def resolve_auto(impl: Impl, op: str, head_dims: tuple[int, int] | None = None) -> Impl:
+  """AUTO -> the fastest implementation available on the default backend: Pallas on
+  GPU when the kernels support the head dims (Dk, Dv), the XLA paths otherwise."""
   if impl is not Impl.AUTO:
     return impl
   gpu = jax.default_backend() == "gpu"
+  if gpu and head_dims is not None:
+    from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
+    gpu = all(d in pallas_chunk_gla.HEAD_DIMS for d in head_dims)
   if op == "gla":
     return Impl.PALLAS_CHUNK if gpu else Impl.CHUNK
   return Impl.PALLAS_VARLEN if gpu else Impl.VARLEN
@@ -66,14 +71,17 @@ def chunk_core(impl: Impl, storage_dtype):
   return chunked.chunk_gla
 
 
-def storage_dtype(impl: Impl, input_dtype, compute_dtype):
+def storage_dtype(impl: Impl, input_dtypes, compute_dtype):
   """dtype of q, k, v inside the chunked path.
 
-  XLA paths compute in `compute_dtype` (fp32, or fp64 under x64). Pallas keeps 16-bit
-  inputs 16-bit (the matmul operands; accumulation is fp32) and runs fp32 otherwise.
+  XLA paths compute in `compute_dtype` (fp32, or fp64 under x64). Pallas keeps bf16
+  inputs bf16 (the matmul operands and per-chunk states; accumulation is fp32) when
+  all of `input_dtypes` (q, k, v, ...) are bf16, and runs fp32 otherwise: float16's
+  5-bit exponent overflows in the states (65504), and mixed inputs must not be
+  rounded to the lowest precision among them.
   """
   if not impl.is_pallas:
     return jnp.dtype(compute_dtype)
-  if jnp.dtype(input_dtype) in (jnp.bfloat16, jnp.float16):
-    return jnp.dtype(input_dtype)
+  if all(jnp.dtype(d) == jnp.bfloat16 for d in input_dtypes):
+    return jnp.dtype(jnp.bfloat16)
   return jnp.dtype(jnp.float32)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from sse_jax.ops import checks
+from sse_jax.ops import chunked
 from sse_jax.ops import gla as gla_lib
 from sse_jax.ops import reference
 from sse_jax.ops import sharding
@@ -155,6 +156,12 @@ def _varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
     seq, _ = reference.sequence_ids(cu_seqlens, t)
   nseq = h0.shape[0]
   q_s, k_s, v_s, g_s, part = _routed_slots(q, k, v, g, routing)
+  # An id out of [0, N) (possible only under jit, against the contract) would land in
+  # another (sequence, partition) segment: make its slot an identity row of partition
+  # 0 instead, so that it is ignored as the masking and scan paths ignore it.
+  valid = (part >= 0) & (part < n)
+  keep = lambda x: jnp.where(valid[..., None, None], x, jnp.zeros((), x.dtype))
+  q_s, k_s, g_s, part = keep(q_s), keep(k_s), keep(g_s), jnp.where(valid, part, 0)
   per_token = part.shape[1]
   # Slots are token-major, so a stable sort by segment keeps time order inside each
   # (sequence, partition) segment.
@@ -192,14 +199,17 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     weights: float [B, T, K], router probabilities e_t^i of the selected partitions
       (shared by all heads). Gradients flow into them through the gates.
     indices: int [B, T, K], distinct partition ids in [0, num_partitions) per token
-      (checked on concrete inputs; under jit that is the caller's contract).
+      (checked on concrete inputs; under jit that is the caller's contract, and every
+      impl ignores an id out of range: that selection writes and reads nothing).
     num_partitions: N (static).
     scale: multiplies q (and the shared q'); defaults to Dk ** -0.5.
     gate: "both" | "write" | "read" | "none".
     initial_state: [B, N, H, Dk, Dv] ([S, ...] with cu_seqlens); with `shared`, a tuple
       (routed or None, shared [B | S, H, Dk, Dv] or None).
     output_final_state: also return the final state(s), shaped like initial_state.
-    cu_seqlens: int32 [S + 1], packed sequences along T (B == 1).
+    cu_seqlens: int32 [S + 1], packed sequences along T (B == 1): starts at 0, never
+      decreases, ends at T (checked on concrete values; under `jit`, the caller's
+      contract: other values give wrong results).
     impl: "varlen" (default), "masking", "pallas_varlen", "pallas_masking", "auto",
       "loop" or "scan" (reference); see `Impl`.
     shared: optional (q', k', g'), each [B, T, H, Dk]: an always-on GLA partition
@@ -208,14 +218,21 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
       `num_readers`); `weights`/`indices` are then the write set only. A partition
       read but not written at t neither decays nor changes; one written but not
       read contributes nothing to o_t. Default: the read set is the write set.
-    chunk_size: C, a multiple of 16.
+    chunk_size: C, a multiple of 16 (16, 32, 64 or 128 for the Pallas impls).
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None).
   """
+  q, k, v, g, weights, indices, cu_seqlens, read_weights, read_indices = (
+      checks.as_array(name, x) for name, x in (
+          ("q", q), ("k", k), ("v", v), ("g", g), ("weights", weights),
+          ("indices", indices), ("cu_seqlens", cu_seqlens),
+          ("read_weights", read_weights), ("read_indices", read_indices)))
   b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
-  impl = impl_lib.resolve_auto(gla_lib.parse_impl(impl, SSE_IMPLS, "sse"), "sse")
+  impl = impl_lib.resolve_auto(gla_lib.parse_impl(impl, SSE_IMPLS, "sse"), "sse",
+                               (dk, dv))
   gate = checks.parse_enum(Gate, gate, "gate")
-  gla_lib.check_chunk_size(chunk_size)
+  chunk_size = gla_lib.check_chunk_size(chunk_size, impl)
+  checks.check_scale(scale)
   checks.check_routing(weights, indices, b, t, num_partitions)
   if (read_weights is None) != (read_indices is None):
     raise ValueError("read_weights and read_indices must be given together")
@@ -224,9 +241,14 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
   h0, h0_shared = initial_state, None
+  if shared is None and isinstance(initial_state, (tuple, list)):
+    raise ValueError("initial_state is a tuple, but shared is None: a (routed, shared) "
+                     "pair of initial states needs the shared partition's inputs")
   if shared is not None:
     if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
       raise ValueError("shared must be a tuple (q', k', g') of [B, T, H, Dk] arrays")
+    shared = tuple(checks.as_array(name, x)
+                   for name, x in zip(("shared q'", "shared k'", "shared g'"), shared))
     for name, x in zip(("shared q'", "shared k'", "shared g'"), shared):
       if tuple(x.shape) != tuple(k.shape):
         raise ValueError(f"{name} must have the shape of k {tuple(k.shape)}, got"
@@ -235,7 +257,8 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     if initial_state is not None:
       if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
         raise ValueError("with shared, initial_state must be a tuple (routed, shared)")
-      h0, h0_shared = initial_state
+      h0, h0_shared = (checks.as_array("initial_state", x) for x in initial_state)
+  h0 = checks.as_array("initial_state", h0)
   checks.check_state("initial_state", h0, (nstate, num_partitions, h, dk, dv))
   checks.check_state("initial_state (shared)", h0_shared, (nstate, h, dk, dv))
 
@@ -243,19 +266,27 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
                                *(shared if shared is not None else ()))
   scale = dk ** -0.5 if scale is None else scale
   out_dtype = v.dtype
-  qkv_dtype = impl_lib.storage_dtype(impl, q.dtype, dtype)
+  qkv_dtype = impl_lib.storage_dtype(
+      impl, [x.dtype for x in (q, k, v) + tuple(shared or ())[:2]], dtype)
   q = (q.astype(dtype) * scale).astype(qkv_dtype)
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
+  floor = (lambda x: x) if impl is Impl.SCAN else chunked.floor_log_decay
+  g = floor(g)
   h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
         else h0.astype(dtype))
   if shared is not None:
     q0, k0, g0 = shared
     shared = ((q0.astype(dtype) * scale).astype(qkv_dtype), k0.astype(qkv_dtype),
-              g0.astype(dtype))
+              floor(g0.astype(dtype)))
     h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
                  else h0_shared.astype(dtype))
   weights = weights.astype(dtype)
   read = () if read_indices is None else (read_weights.astype(dtype), read_indices)
+  if t == 0:  # no tokens: nothing to compute, every state stays as it was
+    o = jnp.zeros((b, 0, h, dv), out_dtype)
+    if not output_final_state:
+      return o, None
+    return o, (h0 if shared is None else (h0, h0_shared))
 
   def run(q, k, v, g, weights, indices, read, h0, shared, h0_shared):
     routing = make_routing(weights, indices, *(read or (None, None)), gate)
@@ -273,7 +304,9 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
 
   inputs = (q, k, v, g, weights, indices, read, h0, shared or (),
             () if shared is None else h0_shared)
-  axes = None if cu_seqlens is not None else sharding.shard_axes(b, h)
+  # With cu_seqlens (B == 1) only the heads can be sharded: shard_axes finds no batch
+  # axis that divides 1, and each device runs its heads over the whole packed T.
+  axes = sharding.shard_axes(b, h)
   if axes is None:
     o, final, final0 = run(*inputs)
   else:  # one shard of the batch and heads per device: see `sharding`
