@@ -10,22 +10,29 @@ match and answer-digit accuracy against context length).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
+import sys
 
-from absl import app
-from absl import flags
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "A training run's directory (config.json, "
-                    "checkpoints/).")
-flags.DEFINE_list("lengths", ["256", "512", "1024"], "Context lengths T to probe.")
-flags.DEFINE_integer("num_examples", 64, "Examples per length.")
-flags.DEFINE_integer("batch_size", 8, "Global batch of the probe.")
-flags.DEFINE_integer("num_digits", 7, "Digits of the hidden value.")
-flags.DEFINE_integer("seed", 0, "Seed of the probe examples.")
-flags.DEFINE_string("out", "", "Write retrieval.json / .md / .png here.")
+
+def parse(argv):
+  # argparse, not absl flags: its flag names (--workdir, --out, ...) would clash with
+  # the other experiment modules' absl flags in a process that imports several.
+  p = argparse.ArgumentParser(prog="python -m experiments.retrieval_probe",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--workdir", required=True,
+                 help="a training run's directory (config.json, checkpoints/)")
+  p.add_argument("--lengths", default="256,512,1024", help="context lengths T to probe")
+  p.add_argument("--num_examples", type=int, default=64, help="examples per length")
+  p.add_argument("--batch_size", type=int, default=8, help="global batch of the probe")
+  p.add_argument("--num_digits", type=int, default=7, help="digits of the hidden value")
+  p.add_argument("--seed", type=int, default=0, help="seed of the probe examples")
+  p.add_argument("--out", default="", help="write retrieval.json / .md / .png here")
+  return p.parse_args(argv)
 
 
 def plot(rows, path: pathlib.Path, title: str) -> None:
@@ -48,34 +55,32 @@ def plot(rows, path: pathlib.Path, title: str) -> None:
   plt.close(fig)
 
 
-def main(argv):
-  del argv
-  if not FLAGS.workdir:
-    raise app.UsageError("--workdir is required (a training run's directory)")
-  saved = os.path.join(FLAGS.workdir, "config.json")
+def main(argv=None) -> None:
+  args = parse(sys.argv[1:] if argv is None else argv)
+  saved = os.path.join(args.workdir, "config.json")
   if not os.path.exists(saved):
-    raise app.UsageError(f"--workdir={FLAGS.workdir}: no config.json (not a run directory)")
+    raise SystemExit(f"--workdir={args.workdir}: no config.json (not a run directory)")
   from sse_jax.train import probe  # pylint: disable=g-import-not-at-top
   from sse_jax.train.__main__ import load_config  # pylint: disable=g-import-not-at-top
   rows = probe.retrieval_by_length(
-      load_config(saved), FLAGS.workdir, [int(t) for t in FLAGS.lengths],
-      num_examples=FLAGS.num_examples, batch_size=FLAGS.batch_size,
-      num_digits=FLAGS.num_digits, seed=FLAGS.seed)
-  lines = [f"Retrieval probe of `{FLAGS.workdir}` (step {rows[0]['step']}), "
-           f"{FLAGS.num_examples} examples per length, {FLAGS.num_digits}-digit values",
+      load_config(saved), args.workdir, [int(t) for t in args.lengths.split(",")],
+      num_examples=args.num_examples, batch_size=args.batch_size,
+      num_digits=args.num_digits, seed=args.seed)
+  lines = [f"Retrieval probe of `{args.workdir}` (step {rows[0]['step']}), "
+           f"{args.num_examples} examples per length, {args.num_digits}-digit values",
            "", "| context length | needle retrieved (exact) | answer digits correct | "
            "answer loss (nats / byte) |", "|---|---|---|---|"]
   lines += [f"| {r['seq_len']} | {r['exact_match']:.3f} | {r['digit_accuracy']:.3f} | "
             f"{r['answer_ce']:.3f} |" for r in rows]
   print("\n".join(lines))
-  if FLAGS.out:
-    out = pathlib.Path(FLAGS.out)
+  if args.out:
+    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "retrieval.json").write_text(json.dumps(dict(workdir=FLAGS.workdir, rows=rows),
+    (out / "retrieval.json").write_text(json.dumps(dict(workdir=args.workdir, rows=rows),
                                                    indent=1))
     (out / "retrieval.md").write_text("\n".join(lines) + "\n")
     plot(rows, out / "retrieval.png", f"retrieval probe, step {rows[0]['step']}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main()

@@ -303,14 +303,15 @@ def test_one_step_byte_level_run(tmp_path, env):
   c.data = {"kind": "shakespeare", "seq_len": 32}
   c.model.pattern, c.model.hidden, c.model.mlp_dim = "GA", 32, 64
   c.model.gla, c.model.attention = {"chunk_size": 16}, {}
-  c.batch_size, c.num_steps, c.eval_batches = B, 1, 1
+  c.batch_size, c.num_steps, c.eval_batches, c.warmup_steps = B, 1, 1, 0
   summary = run(c, tmp_path / "w", env)
   assert summary["step"] == 1 and summary["finished"] and summary["tokens_per_s"] is None
   assert sorted(os.listdir(tmp_path / "w")) == [
       "checkpoints", "config.json", "metrics.jsonl", "summary.json", "tb"]
   assert os.listdir(tmp_path / "w" / "checkpoints") == ["1"]
   (t,), (e,) = records(tmp_path / "w", "train"), records(tmp_path / "w", "eval")
-  assert t["lr"] == 0.0 and t["aux_loss"] == 0.0 and e["router"] == []  # no SSE layer
+  assert t["lr"] == pytest.approx(c.lr)  # no warm-up: the one update uses the peak lr
+  assert t["aux_loss"] == 0.0 and e["router"] == []  # no SSE layer
   assert abs(t["ce"] - math.log(256)) < 0.2 and abs(e["ce"] - math.log(256)) < 0.2
   assert t["bpb"] == pytest.approx(t["ce"] / math.log(2))
   assert e["bpb"] == pytest.approx(e["ce"] / math.log(2))
@@ -539,7 +540,6 @@ def test_retrieval_probe_by_context_length(tmp_path):
   """`experiments.retrieval_probe` on a two-step byte-level run: per length, the
   needle examples of that length, scored as a direct forward pass of the checkpoint's
   model scores them (answer bytes only); a non-byte-level run is refused."""
-  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from experiments import retrieval_probe  # pylint: disable=g-import-not-at-top
   from sse_jax.data import RetrievalConfig, RetrievalSource  # pylint: disable=g-import-not-at-top
@@ -553,11 +553,8 @@ def test_retrieval_probe_by_context_length(tmp_path):
   c.compute_dtype, c.progress, c.lr = "float32", False, 1e-2
   workdir = tmp_path / "w"
   train.train_and_evaluate(c, str(workdir))
-  argv = ["probe", f"--workdir={workdir}", "--lengths=96,128", "--num_examples=4",
-          "--batch_size=4", "--num_digits=3", f"--out={tmp_path / 'out'}"]
-  with flagsaver.flagsaver():
-    retrieval_probe.FLAGS(argv)
-    retrieval_probe.main([])
+  retrieval_probe.main([f"--workdir={workdir}", "--lengths=96,128", "--num_examples=4",
+                        "--batch_size=4", "--num_digits=3", f"--out={tmp_path / 'out'}"])
   rows = json.loads((tmp_path / "out" / "retrieval.json").read_text())["rows"]
   assert [r["seq_len"] for r in rows] == [96, 128] and rows[0]["step"] == 2
   assert (tmp_path / "out" / "retrieval.png").stat().st_size > 10_000
