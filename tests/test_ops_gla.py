@@ -214,3 +214,19 @@ def test_infinite_and_huge_decays_reset_the_state_without_nan(impl, dtype, tol):
     for name, d, d_ref in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref_grads):
       assert np.all(np.isfinite(np.asarray(d))), name
       assert_close(d, d_ref, tol, name)
+
+
+@pytest.mark.parametrize("impl", ["chunk", "pallas_chunk"])
+def test_traced_cu_seqlens_matches_concrete(impl):
+  """cu_seqlens as a jit argument (its values unknown at trace time: the static chunk
+  table path) gives the numbers of the concrete one, for two different boundaries
+  through one compiled function."""
+  x = random_qkvg(jax.random.PRNGKey(12), 1, 90, 2, 16, 16)
+  fn = jax.jit(lambda cu, *a: ops.gla(*a, cu_seqlens=cu, impl=impl, chunk_size=32,
+                                      output_final_state=True))
+  for cu in ([0, 7, 7, 90], [0, 40, 64, 90]):
+    cu = jnp.asarray(cu, jnp.int32)
+    o, f = fn(cu, *x)
+    o_ref, f_ref = ops.gla(*x, cu_seqlens=cu, impl="scan", output_final_state=True)
+    assert_close(o, o_ref, 1e-5, "o")
+    assert_close(f, f_ref, 1e-5, "final")
