@@ -19,6 +19,12 @@ core excludes what `sse_jax.ops.gla` does around it (segment packing, casts);
 the core alone on their packed shapes (`op_overhead`); `--walk_partitions=4,16` times
 the forms of the state walk on the grids of each op (`walk_grids`).
 
+`--trace_partitions=0,4,16` (with `--nokernels` to skip the rest) records a profiler
+trace of fwd + bwd of the dense op (0) and SSE (`--trace_impls`) at each N and prints
+the device time of every compiled HLO op (`device_ms_by_op`): which fusions, gathers
+or sorts the packing around the kernels costs; `--hlo_dir` writes each program's
+optimised HLO to look those names up.
+
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
 times mean nothing. Writes a JSON list of rows to `--out` when given.
 """
