@@ -223,6 +223,42 @@ def test_data_worker_processes_train_the_same_run(ref, tmp_path, env):
     np.testing.assert_array_equal(x, y)
 
 
+KILL_AT_SAVE = """
+import os, signal, sys
+from sse_jax.train import checkpoint
+save = checkpoint.Checkpoints.save
+def save_then_die(self, step, *args):
+  save(self, step, *args)  # asynchronous: the step's files are still being written
+  if step == int(os.environ["KILL_AT_STEP"]):
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.Checkpoints.save = save_then_die
+from sse_jax.train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkilled_run_resumes_bitwise(ref, tmp_path, env):
+  """A SIGKILL right after the step-20 save is issued (no cleanup, the async write cut
+  short): the restart resumes from the last complete checkpoint and ends with the
+  uninterrupted run's state, bit for bit."""
+  config = ref_config()
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (tmp_path / "w.json").write_text(config.to_json())
+  killed = subprocess.run(
+      [sys.executable, "-c", KILL_AT_SAVE, f"--config_json={tmp_path / 'w.json'}",
+       f"--workdir={workdir}"], env=dict(env, KILL_AT_STEP="20"), cwd=REPO,
+      capture_output=True, text=True, timeout=300)
+  assert killed.returncode == -9, killed.stderr[-3000:]
+  assert not (workdir / "summary.json").exists()
+  resumed = run(config, workdir, env)
+  assert resumed["resumed_from"] in (10, 20) and resumed["finished"]
+  a, b = params_of(ref, STEPS), params_of(workdir, STEPS)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  assert resumed["eval"]["loss"] == json.loads((ref / "summary.json").read_text())["eval"]["loss"]
+
+
 def copy_ref(ref, tmp_path) -> pathlib.Path:
   workdir = tmp_path / "copy"
   shutil.copytree(ref, workdir)
