@@ -3,9 +3,10 @@
 #
 #     bash experiments/gpu_kernels.sh [OUT] [FLA_TIMEOUT_S] [STEPS]
 #
-# STEPS: a comma-separated subset of tests,profile,bench [all three]. On an H200 expect
-# roughly 5 + 3 + 4 minutes, plus up to FLA_TIMEOUT_S for fla (its first call compiles
-# and autotunes for ~4 minutes): split the steps over runs where time is limited.
+# STEPS: a comma-separated subset of tests,profile,bench,trace [tests,profile,bench]. On
+# an H200 expect roughly 5 + 3 + 4 minutes, plus up to FLA_TIMEOUT_S for fla (its first
+# call compiles and autotunes for ~4 minutes), and ~2 for trace: split the steps over
+# runs where time is limited.
 #
 # 1. the Pallas GPU test class (outputs, states, every gradient vs the scan), the
 #    CUDA lowering checks, and cuDNN attention against XLA's (the GPU models' path);
@@ -14,8 +15,11 @@
 #    gradients (the per-kernel table of docs/kernels.md);
 # 3. `experiments.bench_ops` over the Fig. 6 grid with bf16 errors at L = 2048, and fla
 #    side by side, stopped after FLA_TIMEOUT_S seconds [400] (its rows so far kept).
+# 4. (trace) device time per compiled HLO op of fwd + bwd of the dense op and SSE
+#    pallas_varlen (N = 4, 16) at L = 32K, from a profiler trace, with each program's
+#    HLO under OUT/hlo: what the packing around the kernels costs, fusion by fusion.
 # Everything lands in OUT [results/bench_ops], with the logs test_pallas.log,
-# profile_kernels.log and bench.log. Exits non-zero when a step failed.
+# profile_kernels.log, bench.log and trace.log. Exits non-zero when a step failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-results/bench_ops}; FLA_TIMEOUT=${2:-400}; STEPS=",${3:-tests,profile,bench},"
@@ -46,5 +50,11 @@ python3 -m experiments.bench_ops --lengths=32768,8192,2048 --partitions=4,8,16 \
     --check_length=2048 --reps=10 --time_fwd=false --fla_timeout="$FLA_TIMEOUT" \
     --out="$OUT" > "$OUT/bench.log" 2>&1 || FAILED="$FAILED bench"
 grep -E "^(gla|sse|fla)" "$OUT/bench.log"
+fi
+if [[ $STEPS == *,trace,* ]]; then
+python3 -m experiments.profile_kernels --nokernels --length=32768 --reps=5 \
+    --trace_partitions=0,4,16 --hlo_dir="$OUT/hlo" --out="$OUT/trace.json" \
+    > "$OUT/trace.log" 2>&1 || FAILED="$FAILED trace"
+grep -A12 "^trace" "$OUT/trace.log"
 fi
 if [ -n "$FAILED" ]; then echo "failed:$FAILED (see the logs in $OUT)" >&2; exit 1; fi
