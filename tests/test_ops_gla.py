@@ -230,3 +230,16 @@ def test_traced_cu_seqlens_matches_concrete(impl):
     o_ref, f_ref = ops.gla(*x, cu_seqlens=cu, impl="scan", output_final_state=True)
     assert_close(o, o_ref, 1e-5, "o")
     assert_close(f, f_ref, 1e-5, "final")
+
+
+def test_explicit_scale_reaches_the_pallas_path():
+  x = random_qkvg(jax.random.PRNGKey(6), 1, 100, 2, 16, 16)
+  cot_o = jax.random.normal(jax.random.PRNGKey(7), (1, 100, 2, 16))
+  cot_f, h0 = jnp.ones((1, 2, 16, 16)), jnp.zeros((1, 2, 16, 16))
+  run = lambda impl: _loss_fn(impl, None, False, cot_o, cot_f, 0.3)(*x, h0)
+  (_, (o, f)), grads = run("pallas_chunk")
+  (_, (o_ref, f_ref)), ref_grads = run("scan")
+  assert_close(o, o_ref, 1e-5, "o")
+  assert_close(f, f_ref, 1e-5, "final_state")
+  for name, a, r in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
+    assert_close(a, r, 1e-5, name)
