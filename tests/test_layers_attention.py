@@ -139,3 +139,15 @@ def test_cudnn_attention_matches_xla_on_gpu(window):
 def test_config_errors_name_the_field():
   with pytest.raises(ValueError, match="short_conv"):
     AttentionConfig(hidden=D, num_heads=4, short_conv=-1)
+
+
+def test_kv_cache_overflow_is_an_error():
+  """dynamic_update_slice would clamp a write past max_len (wrong outputs, silently):
+  a concrete cache index, or more tokens than max_len, is checked instead."""
+  layer = make()
+  x = jax.random.normal(jax.random.key(2), (B, 6, D))
+  with pytest.raises(ValueError, match="6 tokens do not fit a KV cache of max_len=4"):
+    call(layer, x, layer.init_cache(B, 4))
+  cache = call(layer, x[:, :4], layer.init_cache(B, 4)).cache
+  with pytest.raises(ValueError, match="holds 4 of max_len=4 positions: 1 more"):
+    layer(x[:, 4:5], cache)  # eagerly: under jit the index is traced (the docstring)

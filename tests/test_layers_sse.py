@@ -272,3 +272,19 @@ def test_bf16_compute_with_fp32_params():
   # The router sees the same float32 input, so routing is identical; the rest carries
   # bf16 rounding (8-bit mantissa) through ~10 matmuls.
   assert_close(out.y.astype(jnp.float32), forward(make(cfg), x).y, 3e-2, "bf16 vs fp32")
+
+
+def test_load_balance_loss_by_hand():
+  """N / k * sum_i f_i p_i with f the fraction of tokens routed to i and p the mean
+  probability: probs [.7, .2, .1] and [.1, .3, .6] route (k = 1) to 0 and 2, so
+  f = [.5, 0, .5], p = [.4, .25, .35], aux = 3 * (.5 * .4 + .5 * .35) = 1.125."""
+  from sse_jax.layers import router  # pylint: disable=g-import-not-at-top
+  probs = jnp.asarray([[[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]])
+  _, idx = router.top_k(probs, 1)
+  aux, f = router.load_balance(probs, idx, 3)
+  np.testing.assert_allclose(f, [0.5, 0.0, 0.5])
+  np.testing.assert_allclose(aux, 1.125, rtol=1e-6)
+  _, idx2 = router.top_k(probs, 2)  # k = 2: {0, 1} and {2, 1}: f = [.5, 1, .5]
+  aux2, f2 = router.load_balance(probs, idx2, 3)
+  np.testing.assert_allclose(f2, [0.5, 1.0, 0.5])
+  np.testing.assert_allclose(aux2, 1.5 * (0.5 * 0.4 + 1.0 * 0.25 + 0.5 * 0.35), rtol=1e-6)

@@ -143,3 +143,25 @@ def test_model_shardings_resolve_on_a_data_model_mesh():
   assert shardings["lm_head"].get_value().spec == P(None, "model")
   attn = shardings["blocks"][2]["mixer"]
   assert attn["k"]["kernel"].get_value().spec == P(None, "model", None)
+
+
+def test_out_of_range_token_ids_are_named():
+  model = make(small(impl="scan"))
+  with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=256\), got "
+                                       r"values in \[1, 256\]"):
+    model(jnp.asarray([[1, 2, 256, 3]]))
+  with pytest.raises(ValueError, match=r"got values in \[-1, 3\]"):
+    model(jnp.asarray([[1, 2, 3, -1]]))
+  with pytest.raises(ValueError, match="tokens must be integer ids"):
+    model(jnp.ones((1, 4)))
+  with pytest.raises(ValueError, match="aux_loss_coef"):
+    dataclasses.replace(small(), aux_loss_coef=True)
+
+
+def test_pallas_limits_are_checked_with_the_config():
+  from sse_jax.layers import SSEConfig  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"chunk_size=48 must be one of \(16, 32, 64, 128\)"):
+    SSEConfig(32, 2, chunk_size=48, impl="pallas_varlen")
+  with pytest.raises(ValueError, match="key dim=12 must be one of"):
+    SSEConfig(24, 2, chunk_size=16, impl="pallas_masking")
+  SSEConfig(32, 2, chunk_size=16, impl="pallas_varlen")  # head dim 16: fine

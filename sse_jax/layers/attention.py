@@ -134,8 +134,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array, cache: KVCache | None = None) -> MixerOutput:
     """Full causal attention (cache None), or attention over the cache after writing
-    this call's T tokens at positions index .. index + T - 1 (prefill or decode; the
-    caller keeps index + T <= max_len)."""
+    this call's T tokens at positions index .. index + T - 1 (prefill or decode).
+    index + T > max_len is an error where index is concrete; under `jit` the caller
+    keeps index + T <= max_len (past it, the write would be clamped: wrong outputs)."""
     cfg = self.config
     t = x.shape[1]
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
@@ -156,6 +157,12 @@ class Attention(nnx.Module):
         except (NotImplementedError, ValueError, RuntimeError):
           impl = "xla"
       return MixerOutput(self.o(attend(impl)))
+    max_len = cache.k.shape[1]
+    if t > max_len:
+      raise ValueError(f"{t} tokens do not fit a KV cache of max_len={max_len}")
+    if not isinstance(start, jax.core.Tracer) and int(start) + t > max_len:
+      raise ValueError(f"the KV cache holds {int(start)} of max_len={max_len} positions: "
+                       f"{t} more do not fit (init_cache with a larger max_len)")
     at = (0, start, 0, 0)
     kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at)
     vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at)

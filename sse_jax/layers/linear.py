@@ -31,13 +31,15 @@ class LinearAttentionConfig:
   num_heads: H.
   key_dim / value_dim: Dk / Dv per head; None = D / H.
   query_activation / key_activation / value_activation: feature maps, one of
-    "identity", "silu", "relu", "elu+1", "softmax" (see `features`).
+    "identity", "silu", "relu", "elu+1", "softmax", "topk-softmax" (see `features`).
   gate_rank / gate_normalizer: the low-rank decay gate,
     g = log_sigmoid(x W_1 W_2 + b) / gate_normalizer.
   short_conv: width w of the causal depthwise conv + SiLU on the q/k/v projections;
     0 = off (the paper), 4 in the official code.
   output_gate: y = (RMSNorm(o) * silu(x W_gate)) W_o if True, else RMSNorm(o) W_o.
-  impl: the `sse_jax.ops` implementation, passed through unchanged.
+  impl: the `sse_jax.ops` implementation (the SSE's per-partition path maps it to a
+    GLA impl, see `sse.SSEConfig`); a Pallas impl also needs chunk_size and the head
+    dims to be ones the kernels support (checked here).
   chunk_size: chunk length C of the chunked ops (a multiple of 16).
   norm_eps: epsilon of the per-head output RMSNorm.
   """
@@ -86,6 +88,15 @@ class LinearAttentionConfig:
     check.boolean(name, "output_gate", self.output_gate)
     check.choice(name, "impl", self.impl, self.allowed_impls())
     check.chunk_size(name, self.chunk_size)
+    if str(self.impl).startswith("pallas"):
+      from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
+      if self.chunk_size not in pallas_chunk_gla.CHUNKS:
+        check.fail(name, "chunk_size", self.chunk_size,
+                   f"must be one of {pallas_chunk_gla.CHUNKS} for impl={self.impl!r}")
+      for field, d in (("key dim", self.head_k), ("value dim", self.head_v)):
+        if d not in pallas_chunk_gla.HEAD_DIMS:
+          check.fail(name, field, d, f"must be one of {pallas_chunk_gla.HEAD_DIMS} for "
+                     f"impl={self.impl!r}")
     check.positive_float(name, "norm_eps", self.norm_eps)
 
 

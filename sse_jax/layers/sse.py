@@ -45,7 +45,8 @@ share_partition_params=False (Table 8's MoM-like control): W_q, W_k, W_v become
 projections instead of a LoRA; `lora_rank` is unused) and the layer runs the masked
 per-partition path of `per_partition` (one `ops.gla` call over P x H folded heads,
 cost ~P x dense; `impl` "scan" uses the GLA scan reference, "pallas_*" the Pallas
-chunked GLA, any other value the XLA chunked GLA). Decoding then updates all P folded states (unselected ones with the
+chunked GLA, "auto" the GLA's "auto" (Pallas on a GPU), any other value the XLA
+chunked GLA). Decoding then updates all P folded states (unselected ones with the
 identity).
 
 Cache state (`init_cache`): shared params: routed float32 [B, N, H, Dk, Dv], and

@@ -84,7 +84,8 @@ class ModelConfig:
       if sub is not None and sub.hidden != self.hidden:
         check.fail(name, f"{field}.hidden", sub.hidden, f"must equal hidden={self.hidden}")
     check.boolean(name, "tie_embeddings", self.tie_embeddings)
-    if not isinstance(self.aux_loss_coef, (int, float)) or self.aux_loss_coef < 0:
+    if (not isinstance(self.aux_loss_coef, (int, float)) or isinstance(self.aux_loss_coef, bool)
+        or self.aux_loss_coef < 0):
       check.fail(name, "aux_loss_coef", self.aux_loss_coef, "must be a number >= 0")
     check_remat(name, self.remat)
     check.positive_float(name, "norm_eps", self.norm_eps)

@@ -76,6 +76,16 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens: jax.Array, *, cache: tuple[Any, ...] | None = None
                ) -> ModelOutput:
+    vocab = self.embed.shape[0]
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+      lo, hi = int(tokens.min()), int(tokens.max())
+      if lo < 0 or hi >= vocab:
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab}), got values in "
+                         f"[{lo}, {hi}]")
+    # Under jit an id out of range cannot be checked here (the trainer checks its
+    # batches); jnp.take would fill its row with NaN, which the causal matmuls spread.
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
     caches, usage, aux = [], [], []
     for i, block in enumerate(self.blocks):
