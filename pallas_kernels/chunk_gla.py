@@ -1064,7 +1064,7 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
   flat = lambda x: x.reshape((bsz * nc,) + x.shape[2:])
   dtype = storage_dtype or storage_dtype_for(q.dtype)
   q, k, v = (flat(x).astype(dtype) for x in (q, k, v))
-  b = jnp.cumsum(flat(g).astype(jnp.float32), axis=1)
+  b = jnp.cumsum(chunked.floor_log_decay(flat(g).astype(jnp.float32)), axis=1)
   o, final = _core(q, k, v, b, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
                    seg_chunks.astype(jnp.int32), block_sizes, interpret)
   return o.reshape((bsz, nc) + o.shape[1:]), final

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sse_jax.layers import validation as check
+from sse_jax.ops import checks
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.params import Einsum
 from sse_jax.layers.rope import apply_rope
@@ -160,7 +161,7 @@ class Attention(nnx.Module):
     max_len = cache.k.shape[1]
     if t > max_len:
       raise ValueError(f"{t} tokens do not fit a KV cache of max_len={max_len}")
-    if not isinstance(start, jax.core.Tracer) and int(start) + t > max_len:
+    if checks.is_concrete(start) and int(start) + t > max_len:
       raise ValueError(f"the KV cache holds {int(start)} of max_len={max_len} positions: "
                        f"{t} more do not fit (init_cache with a larger max_len)")
     at = (0, start, 0, 0)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sse_jax.layers import params
+from sse_jax.ops import checks
 from sse_jax.layers.block import Block
 from sse_jax.layers.norm import RMSNorm
 from sse_jax.model.config import ModelConfig
@@ -79,7 +80,7 @@ class LanguageModel(nnx.Module):
     vocab = self.embed.shape[0]
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
-    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+    if checks.is_concrete(tokens) and tokens.size:
       lo, hi = int(tokens.min()), int(tokens.max())
       if lo < 0 or hi >= vocab:
         raise ValueError(f"token ids must lie in [0, vocab_size={vocab}), got values in "

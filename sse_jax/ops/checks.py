@@ -48,7 +48,7 @@ def as_array(name: str, x):
   """x as an array (lists and numpy arrays are converted); None stays None."""
   if x is None or isinstance(x, jax.Array):
     return x
-  if isinstance(x, (tuple, dict)) and not isinstance(x, np.ndarray):
+  if isinstance(x, (tuple, dict)):
     raise ValueError(f"{name} must be an array, got a {type(x).__name__}")
   try:
     return jnp.asarray(x)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 SUBCHUNK = 16  # L: sub-chunk length of the overflow-safe intra-chunk factorisation.
 
-# Log decays below this are raised to it before the in-chunk cumulative sums. exp(-200)
+# Log decays below this are raised to it before the in-chunk cumulative sums (by every
+# chunk core: this one and the Pallas kernels). exp(-200)
 # is 0 in fp32 and 1e-87 in fp64, so values and gradients do not change, but g = -inf
 # (a hard reset) or -1e38 no longer turns a difference of cumulative sums into
 # -inf - (-inf) = NaN, and large magnitudes do not eat the sums' precision.
@@ -37,7 +38,7 @@ LOG_DECAY_FLOOR = -200.0
 
 
 def floor_log_decay(g: jax.Array) -> jax.Array:
-  """max(g, LOG_DECAY_FLOOR): what the chunked paths use as g (see LOG_DECAY_FLOOR)."""
+  """max(g, LOG_DECAY_FLOOR): what the chunk cores sum as g (see LOG_DECAY_FLOOR)."""
   return jnp.maximum(g, jnp.asarray(LOG_DECAY_FLOOR, g.dtype))
 
 
@@ -122,7 +123,7 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks):
   reset, h0_index = reset.reshape(b, nc), h0_index.reshape(b, nc)
   h0_table = jnp.concatenate([h0, jnp.zeros((1,) + h0.shape[1:], h0.dtype)])
 
-  gcum = jnp.cumsum(g, axis=2)
+  gcum = jnp.cumsum(floor_log_decay(g), axis=2)
   g_last = gcum[:, :, -1]                                                # [B, NC, H, Dk]
   # Local state contribution of each chunk, with exp(G_C - G_s) <= 1.
   k_end = k * jnp.exp(g_last[:, :, None] - gcum)

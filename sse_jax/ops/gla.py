@@ -145,8 +145,6 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
   qkv_dtype = impl_lib.storage_dtype(impl, (q.dtype, k.dtype, v.dtype), dtype)
   q = (q.astype(dtype) * scale).astype(qkv_dtype)
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
-  if impl is not Impl.SCAN:
-    g = chunked.floor_log_decay(g)
   h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
         else initial_state.astype(dtype))
   if t == 0:  # no tokens: nothing to compute, every state stays as it was

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from sse_jax.ops import checks
-from sse_jax.ops import chunked
 from sse_jax.ops import gla as gla_lib
 from sse_jax.ops import reference
 from sse_jax.ops import sharding
@@ -257,8 +256,9 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     if initial_state is not None:
       if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
         raise ValueError("with shared, initial_state must be a tuple (routed, shared)")
-      h0, h0_shared = (checks.as_array("initial_state", x) for x in initial_state)
+      h0, h0_shared = initial_state
   h0 = checks.as_array("initial_state", h0)
+  h0_shared = checks.as_array("initial_state (shared)", h0_shared)
   checks.check_state("initial_state", h0, (nstate, num_partitions, h, dk, dv))
   checks.check_state("initial_state (shared)", h0_shared, (nstate, h, dk, dv))
 
@@ -270,14 +270,12 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
       impl, [x.dtype for x in (q, k, v) + tuple(shared or ())[:2]], dtype)
   q = (q.astype(dtype) * scale).astype(qkv_dtype)
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
-  floor = (lambda x: x) if impl is Impl.SCAN else chunked.floor_log_decay
-  g = floor(g)
   h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
         else h0.astype(dtype))
   if shared is not None:
     q0, k0, g0 = shared
     shared = ((q0.astype(dtype) * scale).astype(qkv_dtype), k0.astype(qkv_dtype),
-              floor(g0.astype(dtype)))
+              g0.astype(dtype))
     h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
                  else h0_shared.astype(dtype))
   weights = weights.astype(dtype)
