@@ -190,14 +190,19 @@ def plot(rows, path, meta):
 
 
 def markdown(rows):
+  """One line per row; a "run" column when rows of several runs were merged (each
+  such row names its run, which the table's header describes)."""
+  runs = any("run" in r for r in rows)
   lines = ["| source | op | impl | L | N | fwd ms | fwd+bwd ms | temp MiB | compile s |"
-           " GB/s (dense) |", "|---|---|---|---|---|---|---|---|---|---|"]
+           " GB/s (dense) |" + (" run |" if runs else ""),
+           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if runs else "")]
   fmt = lambda v, f="{:.2f}": "-" if v is None or v != v else f.format(v)
   for r in rows:
     lines.append(f"| {r['source']} | {r['op']} | {r['impl']} | {r['length']} | "
                  f"{r.get('n') or '-'} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('fwd_bwd_ms'))} | "
                  f"{fmt(r.get('temp_mib'), '{:.0f}')} | {fmt(r.get('compile_s'), '{:.1f}')} |"
-                 f" {fmt(r.get('achieved_GBps'), '{:.0f}')} |")
+                 f" {fmt(r.get('achieved_GBps'), '{:.0f}')} |"
+                 + (f" {r.get('run', '-')} |" if runs else ""))
   return "\n".join(lines)
 
 

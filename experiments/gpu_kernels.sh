@@ -26,7 +26,9 @@ OUT=${1:-results/bench_ops}; FLA_TIMEOUT=${2:-400}; STEPS=",${3:-tests,profile,b
 mkdir -p "$OUT"
 FAILED=""
 if [[ $STEPS == *,tests,* ]]; then
-python3 -m pytest -q -rfE -p no:cacheprovider tests/test_pallas.py::TestPallasGPU \
+# Several pytest workers share the GPU (compiling dominates): no preallocation.
+XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rfE -p no:cacheprovider \
+    -n "${PYTEST_WORKERS:-4}" --durations=8 tests/test_pallas.py::TestPallasGPU \
     tests/test_pallas.py::test_kernels_lower_for_cuda \
     tests/test_layers_attention.py::test_cudnn_attention_matches_xla_on_gpu \
     > "$OUT/test_pallas.log" 2>&1 \
@@ -52,6 +54,8 @@ python3 -m experiments.bench_ops --lengths=32768,8192,2048 --partitions=4,8,16 \
 grep -E "^(gla|sse|fla)" "$OUT/bench.log"
 fi
 if [[ $STEPS == *,trace,* ]]; then
+# Command buffers would fold a program's kernels into one timed op: off, per HLO op.
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
 python3 -m experiments.profile_kernels --nokernels --length=32768 --reps=5 \
     --trace_partitions=0,4,16 --hlo_dir="$OUT/hlo" --out="$OUT/trace.json" \
     > "$OUT/trace.log" 2>&1 || FAILED="$FAILED trace"

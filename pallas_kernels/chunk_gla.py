@@ -52,8 +52,9 @@ Kernels (grid; what each program does):
                                    matmuls with the states loaded once, and dGamma.
   _dqk_intra_kernel (NC, H, nK)   adds the intra-chunk terms (from dA) in place and
                                    writes db.
-The gates enter as b = cumsum(g) computed outside the custom_vjp, so XLA's transpose
-of the cumsum turns db into dg (dg_u = sum_{t >= u} db_t).
+The gates enter as b = cumsum(g) computed outside the custom_vjp (as a triangular
+matmul, `chunked.in_chunk_cumsum`), so XLA's transpose of it turns db into dg
+(dg_u = sum_{t >= u} db_t).
 
 Gradient bookkeeping (per chunk; dq, dk are w.r.t. the scaled q and k):
   dH  = e^{Gamma} dH' + sum_t (q_t e^{b_t})^T do_t
@@ -1064,7 +1065,7 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
   flat = lambda x: x.reshape((bsz * nc,) + x.shape[2:])
   dtype = storage_dtype or storage_dtype_for(q.dtype)
   q, k, v = (flat(x).astype(dtype) for x in (q, k, v))
-  b = jnp.cumsum(chunked.floor_log_decay(flat(g).astype(jnp.float32)), axis=1)
+  b = chunked.in_chunk_cumsum(chunked.floor_log_decay(flat(g).astype(jnp.float32)), axis=1)
   o, final = _core(q, k, v, b, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
                    seg_chunks.astype(jnp.int32), block_sizes, interpret)
   return o.reshape((bsz, nc) + o.shape[1:]), final

@@ -243,3 +243,23 @@ def test_explicit_scale_reaches_the_pallas_path():
   assert_close(f, f_ref, 1e-5, "final_state")
   for name, a, r in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
     assert_close(a, r, 1e-5, name)
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 64, 2, 5), 1), ((2, 3, 16, 4), 2), ((4, 32), 1),
+                                        ((0, 64, 3), 1), ((2, 64, 0), 1)])
+def test_in_chunk_cumsum_matches_cumsum_values_and_gradient(shape, axis):
+  """The triangular-matmul cumsum of the chunk cores against jnp.cumsum (float64),
+  forward and the transpose (a reverse sum), with g of either sign and steep values."""
+  from sse_jax.ops import chunked
+  with x64():
+    g = 50.0 * jax.random.normal(jax.random.key(3), shape, jnp.float64)
+    w = jax.random.normal(jax.random.key(4), shape, jnp.float64)
+    ours = lambda x: chunked.in_chunk_cumsum(x, axis)
+    ref = lambda x: jnp.cumsum(x, axis=axis)
+    np.testing.assert_allclose(jax.jit(ours)(g), ref(g), rtol=1e-12, atol=1e-10)
+    grad = lambda f: jax.grad(lambda x: jnp.sum(w * f(x)))(g)
+    np.testing.assert_allclose(grad(ours), grad(ref), rtol=1e-12, atol=1e-10)
+    # And in float32 at full precision (no TF32-style operand rounding).
+    g32 = g.astype(jnp.float32)
+    np.testing.assert_allclose(chunked.in_chunk_cumsum(g32, axis), ref(g32.astype(jnp.float64)),
+                               rtol=1e-5, atol=1e-3)
