@@ -4,9 +4,11 @@
 #     bash experiments/gpu_kernels.sh [OUT] [FLA_TIMEOUT_S] [STEPS]
 #
 # STEPS: a comma-separated subset of tests,profile,bench,trace [tests,profile,bench]. On
-# an H200 expect roughly 5 + 3 + 4 minutes, plus up to FLA_TIMEOUT_S for fla (its first
-# call compiles and autotunes for ~4 minutes), and ~2 for trace: split the steps over
-# runs where time is limited.
+# an H200 with 16 CPU cores expect roughly 4 minutes for tests (PYTEST_WORKERS [4]
+# pytest workers: 44 tests, compile-bound; 8 workers reached 41 in 150 s), 3 for
+# profile, 6 for bench (~7 s of compiling per row), plus up to FLA_TIMEOUT_S for fla
+# (its first call compiles and autotunes for ~4 minutes), and ~1 for trace: split the
+# steps over runs where time is limited.
 #
 # 1. the Pallas GPU test class (outputs, states, every gradient vs the scan), the
 #    CUDA lowering checks, and cuDNN attention against XLA's (the GPU models' path);

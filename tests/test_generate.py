@@ -84,11 +84,25 @@ def test_greedy_generation_is_the_argmax_chain_of_the_full_model():
   want = jnp.argmax(forward(model, seq).logits[:, PROMPT - 1:-1], axis=-1)
   np.testing.assert_array_equal(new, want)
   sampled = generate(model, prompt, max_new_tokens=5, rng=jax.random.key(0),
-                     temperature=0.7, top_p=0.9)
+                     temperature=0.7, top_p=0.5)
   again = generate(model, prompt, max_new_tokens=5, rng=jax.random.key(0),
-                   temperature=0.7, top_p=0.9)
+                   temperature=0.7, top_p=0.5)
   np.testing.assert_array_equal(sampled, again)
   assert sampled.shape == (B, 5) and int(sampled.min()) >= 0 and int(sampled.max()) < 256
+  # Each sampled token lies in the nucleus (top_p = 0.5 of softmax(logits / 0.7)) of the
+  # full model's distribution given the prompt and the tokens sampled before it.
+  seq = jnp.concatenate([prompt, sampled], axis=1)
+  logits = np.asarray(forward(model, seq).logits[:, PROMPT - 1:-1], np.float64) / 0.7
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  for b in range(B):
+    for t in range(5):
+      p, tok = probs[b, t], int(sampled[b, t])
+      mass_before = p[p > p[tok]].sum()  # probability of the tokens ranked above it
+      assert mass_before < 0.5 + 1e-6, (b, t, tok, mass_before)
+  other = generate(model, prompt, max_new_tokens=5, rng=jax.random.key(1),
+                   temperature=0.7, top_p=0.5)
+  assert not np.array_equal(sampled, other), "another rng drew the same tokens"
 
 
 def test_nucleus_sampling_keeps_only_the_nucleus():
