@@ -189,6 +189,12 @@ def plot(rows, path, meta):
   fig.savefig(path, dpi=130)
 
 
+def _code(command: str) -> str:
+  """A command as Markdown code; a description of merged runs (which quotes its
+  commands itself) as it is."""
+  return command if "`" in command else f"`{command}`"
+
+
 def markdown(rows):
   """One line per row; a "run" column when rows of several runs were merged (each
   such row names its run, which the table's header describes)."""
@@ -275,7 +281,7 @@ def report(rows, meta, out):
       r["achieved_GBps"] = r["min_bytes"] / (r["fwd_bwd_ms"] * 1e-3) / 1e9
   table = markdown(rows)
   (out / "bench_ops.md").write_text(
-      f"Command: `{meta['command']}` on {meta['device']} (jax {meta['jax']})\n\n{table}\n")
+      f"Command: {_code(meta['command'])} on {meta['device']} (jax {meta['jax']})\n\n{table}\n")
   plot(rows, out / "bench_ops.png", meta)
   print(table)
 
