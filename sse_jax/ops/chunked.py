@@ -55,8 +55,7 @@ def in_chunk_cumsum(g: jax.Array, axis: int) -> jax.Array:
   lead = math.prod(g.shape[:axis])
   tril = jnp.tril(jnp.ones((c, c), g.dtype))
   x = g.reshape(lead, c, math.prod(g.shape[axis + 1:]))
-  out = jnp.einsum("ts,nsf->ntf", tril, x, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=g.dtype)
+  out = jnp.einsum("ts,nsf->ntf", tril, x, precision=jax.lax.Precision.HIGHEST)
   return out.reshape(g.shape)
 
 
