@@ -28,6 +28,8 @@ gates are, so each program picks one of three levels at run time:
 Steep gates anywhere therefore stay exact; GLA-style gates take level 1.
 
 Kernels (grid; what each program does):
+  _gate_sums_kernel (NC, H, nK)   b = cumsum(g) over the chunk's rows (fp32), kept for
+                                   the backward pass.
   _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
                                    backward pass.
   _states_kernel  (nK', nV', H, Z) walk a segment's chunks (backward: in reverse) with
@@ -50,11 +52,13 @@ Kernels (grid; what each program does):
   With BlockSizes.split_dqk, _dqk_kernel's work in two kernels:
   _dqk_inter_kernel (NC, H, nK)   the inter-chunk terms of dq and dk, [C, Dv] x [Dv, BK]
                                    matmuls with the states loaded once, and dGamma.
-  _dqk_intra_kernel (NC, H, nK)   adds the intra-chunk terms (from dA) in place and
-                                   writes db.
-The gates enter as b = cumsum(g) computed outside the custom_vjp (as a triangular
-matmul, `chunked.in_chunk_cumsum`), so XLA's transpose of it turns db into dg
-(dg_u = sum_{t >= u} db_t).
+  _dqk_intra_kernel (NC, H, nK)   adds the intra-chunk terms in place, its tiles of dA
+                                   computed from do and v on the way
+                                   (BlockSizes.intra_scores), and writes dg.
+The custom_vjp takes the gates g themselves: b is summed in the first kernel, and the
+intra kernel turns db into dg_u = sum_{t >= u} db_t (dGamma included), so neither b's
+sums nor their transpose, nor dA, are XLA ops between the kernels (with the fused
+_dqk_kernel, XLA still computes dA and dg).
 
 Gradient bookkeeping (per chunk; dq, dk are w.r.t. the scaled q and k):
   dH  = e^{Gamma} dH' + sum_t (q_t e^{b_t})^T do_t
@@ -111,7 +115,9 @@ class BlockSizes:
   computes each chunk's own term on the way (else a parallel local-term kernel and a
   sweep). walk_programs: the fused walk uses the sweep tiles while its grid at those
   tiles has at most this many programs, else the block tiles. low_precision_states:
-  keep the per-chunk states in bf16 when the matmul operands are bf16.
+  keep the per-chunk states in bf16 when the matmul operands are bf16. intra_scores:
+  the split backward's intra kernel computes its tiles of dA = tril(do v^T) from do
+  and v itself, instead of reading them from one batched XLA matmul.
   """
 
   chunk: int = 64
@@ -135,6 +141,7 @@ class BlockSizes:
   # bf16 per-chunk states for bf16 inputs: every matmul that reads them rounds them to
   # bf16 anyway; at L = 1024 the bf16 errors against the fp32 scan moved by < 1e-5.
   low_precision_states: bool = True
+  intra_scores: bool = True
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
@@ -243,15 +250,17 @@ def _dot_split(a, b, contract, dtype):
   return dot(ah, bh) + (dot(ah, bl) + dot(al, bh))
 
 
-def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block):
+def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block,
+                           init=0, reverse=False):
   """whole(b_0, b) where the chunk's decay span b_0 - b is <= span everywhere (and
-  whole_chunk, a static shared-memory verdict), else sub_block(i) for each sub-block i
-  in turn. b: the chunk's [C, D] fp32 gates, loaded once for the check and for whole."""
+  whole_chunk, a static shared-memory verdict), else carry = sub_block(i, carry) for
+  each sub-block i in turn (last to first with `reverse`), from `init`. b: the chunk's
+  [C, D] fp32 gates, loaded once for the check and for whole."""
+  ns = chunk // SUB
+
   def by_sub_block():
-    def body(i, carry):
-      sub_block(i)
-      return carry
-    lax.fori_loop(0, chunk // SUB, body, 0)
+    lax.fori_loop(0, ns, lambda n, carry: sub_block(ns - 1 - n if reverse else n, carry),
+                  init)
 
   if not whole_chunk:
     by_sub_block()
@@ -260,6 +269,12 @@ def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block)
   mild = _within_span(first - b, span)
   pl.when(jnp.logical_not(mild))(by_sub_block)
   pl.when(mild)(lambda: whole(first, b))
+
+
+def _suffix_sums(x):
+  """y_t = sum_{u >= t} x_u along axis 0 of a [R, D] fp32 block (Triton's scan runs
+  forwards only: the total less the exclusive prefix sum)."""
+  return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span,
@@ -280,10 +295,13 @@ def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span,
     rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     a_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) <= rows, a, 0.0)
 
-  _by_chunk_or_sub_block(
-      b_ref, chunk=chunk, span=span, whole_chunk=whole_chunk, whole=whole,
-      sub_block=functools.partial(_score_rows, q_ref, k_ref, b_ref, a_ref, chunk=chunk,
-                                  dtype=dtype, unroll=unroll, span=span))
+  def sub_block(i, carry):
+    _score_rows(q_ref, k_ref, b_ref, a_ref, i, chunk=chunk, dtype=dtype, unroll=unroll,
+                span=span)
+    return carry
+
+  _by_chunk_or_sub_block(b_ref, chunk=chunk, span=span, whole_chunk=whole_chunk,
+                         whole=whole, sub_block=sub_block)
 
 
 def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
@@ -349,6 +367,14 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
 
 # ----------------------------------------------------------------------------------
 # Forward kernels.
+
+
+def _gate_sums_kernel(g_ref, b_ref):
+  """b_ref [C, BK] (fp32) = in-chunk cumulative sums of the gates g_ref [C, BK].
+
+  One read of g and one write of b, in place of the triangular matmul the XLA core
+  uses (chunked.in_chunk_cumsum), which XLA ran at half the copy rate on the H200."""
+  b_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
 
 
 def _local_kernel(x_ref, b_ref, z_ref, out_ref, *, chunk, dtype, to_end):
@@ -480,10 +506,43 @@ def _state_share_of_dgamma(b_ref, h, dh, *, chunk):
   return jnp.exp(_row(b_ref, chunk - 1)) * jnp.sum(prod, axis=1).reshape(1, -1)
 
 
-def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll, span):
+def _ds(span):
+  """A (start, size) pair as a ref index; None: the whole axis."""
+  return slice(None) if span is None else pl.ds(*span)
+
+
+def _ref_tiles(da_ref):
+  """d_a(rows, cols) for _add_intra: a tile of dA read from a [C, C] ref. rows, cols:
+  (start, size) or None (all C)."""
+  return lambda rows, cols: da_ref[_ds(rows), _ds(cols)]
+
+
+_DA_COLS = 64  # Dv columns per matmul of _output_score_tiles (bounds shared memory)
+
+
+def _output_score_tiles(do_ref, v_ref, *, dtype):
+  """d_a(rows, cols) for _add_intra: a tile of dA = tril(do v^T) [C, C] (fp32) computed
+  from the chunk's do, v [C, Dv] refs, so that dA is never written out and read back.
+  rows, cols: (start, size) or None (all C). `dtype` operands, fp32 accumulation: the
+  products of XLA's batched matmul (_output_scores), summed in another order."""
+  dv = v_ref.shape[-1]
+  width = min(dv, _DA_COLS)
+
+  def tile(rows, cols):
+    acc = 0.0
+    for j in range(dv // width):
+      part = pl.ds(j * width, width)
+      acc = acc + _dot(do_ref[_ds(rows), part], v_ref[_ds(cols), part], _NT, dtype)
+    t = (0 if rows is None else rows[0]) + lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    s = (0 if cols is None else cols[0]) + lax.broadcasted_iota(jnp.int32, acc.shape, 1)
+    return jnp.where(s <= t, acc, 0.0)
+  return tile
+
+
+def _add_intra(q_ref, k_ref, b_ref, d_a, i, dq, dk, *, chunk, dtype, unroll, span):
   """dq, dk [L, BK] of sub-block i plus their intra-chunk terms.
 
-  da: [C, C] = tril(do v^T) (fp32). dq is anchored at the first row of i (key rows
+  d_a(rows, cols): a tile of dA [C, C] = tril(do v^T) (fp32; _output_score_tiles). dq is anchored at the first row of i (key rows
   s <= t), dk at the last row of i (query rows t >= s), so that every exponent is <= 0
   outside the diagonal block. While the sub-block's decay span is at most `span`, the
   other sub-blocks are one [L, C] x [C, BK] matmul for each of dq, dk and the diagonal
@@ -505,36 +564,36 @@ def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll, 
                     * jnp.exp(jnp.where(before, first - b, 0.0)), 0.0)
     q_t = jnp.where(after, q_ref[...].astype(jnp.float32)
                     * jnp.exp(jnp.where(after, b - end, 0.0)), 0.0)
-    dq_in = _dot(da_ref[pl.ds(r0, SUB), :], k_t, _NN, dtype)
-    dk_in = _dot(da_ref[:, pl.ds(r0, SUB)], q_t, _TN, dtype)
+    dq_in = _dot(d_a((r0, SUB), None), k_t, _NN, dtype)
+    dk_in = _dot(d_a(None, (r0, SUB)), q_t, _TN, dtype)
     # ... and the diagonal block with fp32 operands: db = q dq - k dk cancels its
     # t = s terms only if they are not rounded (bf16 operands here tripled dg's error).
-    d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
-    dq_in += _dot(d_a, _rows(k_ref, i) * jnp.exp(first - bi), _NN, jnp.float32)
-    dk_in += _dot(d_a, _rows(q_ref, i) * jnp.exp(bi - end), _TN, jnp.float32)
+    diag = d_a((r0, SUB), (r0, SUB))
+    dq_in += _dot(diag, _rows(k_ref, i) * jnp.exp(first - bi), _NN, jnp.float32)
+    dk_in += _dot(diag, _rows(q_ref, i) * jnp.exp(bi - end), _TN, jnp.float32)
     return dq + jnp.exp(bi - first) * dq_in, dk + jnp.exp(end - bi) * dk_in
 
   def row_by_row(dq, dk):
     def dq_block(j, acc):
       k_t = _rows(k_ref, j) * jnp.exp(first - _rows(b_ref, j))
-      return acc + _dot(da_ref[pl.ds(r0, SUB), pl.ds(j * SUB, SUB)], k_t, _NN, dtype)
+      return acc + _dot(d_a((r0, SUB), (j * SUB, SUB)), k_t, _NN, dtype)
 
     def dk_block(j, acc):
       q_t = _rows(q_ref, j) * jnp.exp(_rows(b_ref, j) - end)
-      return acc + _dot(da_ref[pl.ds(j * SUB, SUB), pl.ds(r0, SUB)], q_t, _TN, dtype)
+      return acc + _dot(d_a((j * SUB, SUB), (r0, SUB)), q_t, _TN, dtype)
 
     zeros = jnp.zeros_like(bi)
     dq = dq + jnp.exp(bi - first) * lax.fori_loop(0, i, dq_block, zeros)
     dk = dk + jnp.exp(end - bi) * lax.fori_loop(i + 1, ns, dk_block, zeros)
 
-    d_a = da_ref[pl.ds(r0, SUB), pl.ds(r0, SUB)]
+    diag_a = d_a((r0, SUB), (r0, SUB))
     rows, cols, row = _iota(0), _iota(1), _iota(0, 1)
 
     def diag(s, carry):
       dq_i, dk_i = carry
       ks, bs, qs = _row(k_ref, r0 + s), _row(b_ref, r0 + s), _row(q_ref, r0 + s)
-      col = jnp.sum(jnp.where(cols == s, d_a, 0.0), axis=1, keepdims=True)    # dA[:, s]
-      d_row = jnp.sum(jnp.where(rows == s, d_a, 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
+      col = jnp.sum(jnp.where(cols == s, diag_a, 0.0), axis=1, keepdims=True)  # dA[:, s]
+      d_row = jnp.sum(jnp.where(rows == s, diag_a, 0.0), axis=0).reshape(-1, 1)  # dA[s, :]
       dq_i = dq_i + col * ks * _masked_exp(bi - bs, row >= s)
       dk_i = dk_i + d_row * qs * _masked_exp(bs - bi, row <= s)
       return dq_i, dk_i
@@ -545,11 +604,14 @@ def _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, *, chunk, dtype, unroll, 
   return lax.cond(mild, two_matmuls, row_by_row, dq, dk)
 
 
-def _write_dqkb(valid, q, k, dq, dk, dq_ref, dk_ref, db_ref, rows=slice(None)):
-  """dq, dk and db = q dq - k dk (without its dGamma term), at `rows` of the refs."""
+def _db(valid, q, k, dq, dk):
+  """db = q dq - k dk (without its dGamma term), zero in a chunk of no segment."""
+  return jnp.where(valid, q * dq - k * dk, 0.0)
+
+
+def _write_dq_dk(valid, dq, dk, dq_ref, dk_ref, rows=slice(None)):
   dq_ref[rows, :] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
   dk_ref[rows, :] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
-  db_ref[rows, :] = jnp.where(valid, q * dq - k * dk, 0.0).astype(db_ref.dtype)
 
 
 def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da_ref,
@@ -569,9 +631,10 @@ def _dqk_kernel(valid_ref, q_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref, da
   d_gamma = (jnp.sum(_rows(k_ref, i) * dk, axis=0, keepdims=True)
              + jnp.where(i == chunk // SUB - 1,
                          _state_share_of_dgamma(b_ref, h, dh, chunk=chunk), 0.0))
-  dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq, dk, chunk=chunk, dtype=dtype,
-                      unroll=unroll, span=span)
-  _write_dqkb(valid, _rows(q_ref, i), _rows(k_ref, i), dq, dk, dq_ref, dk_ref, db_ref)
+  dq, dk = _add_intra(q_ref, k_ref, b_ref, _ref_tiles(da_ref), i, dq, dk, chunk=chunk,
+                      dtype=dtype, unroll=unroll, span=span)
+  _write_dq_dk(valid, dq, dk, dq_ref, dk_ref)
+  db_ref[...] = _db(valid, _rows(q_ref, i), _rows(k_ref, i), dq, dk)
   dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
 
 
@@ -592,39 +655,59 @@ def _dqk_inter_kernel(valid_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
   dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
 
 
-def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, da_ref, dq_in_ref, dk_in_ref,
-                      dq_ref, dk_ref, db_ref, *, chunk, dtype, unroll, span,
-                      whole_chunk):
+def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unroll, span,
+                      whole_chunk, intra_scores):
   """split_dqk, second kernel: one (chunk, head, Dk block) adds the intra-chunk terms
   to the inter ones (dq_in, dk_in [C, BK], whose buffers dq, dk overwrite) and writes
-  db [C, BK] without its dGamma term. q, k, b: [C, BK]; da: [C, C] = tril(do v^T).
+  the gradient of the gates g themselves, dg_u = sum_{t >= u} db_t [C, BK] (b is their
+  in-chunk cumulative sum), dGamma [1, BK] (from the first kernel) included.
+  q, k, b: [C, BK]; then v, do: [C, Dv], from which the tiles of dA = tril(do v^T)
+  are computed here (_output_score_tiles), or with intra_scores=False dA [C, C] itself.
 
   Where the chunk's decay span (over these BK features) is at most `span`, each of dq
   and dk is one matmul anchored at row 0: dq = e^{b - b_0} (dA (k e^{b_0 - b})) and
   dk = e^{b_0 - b} (dA^T (q e^{b - b_0})); otherwise sub-block by sub-block
-  (_add_intra), as always with whole_chunk=False (static, see _fits_whole_chunk). Each
-  program reads rows of dq_in / dk_in before it writes the same rows.
+  (_add_intra), last to first so that the sums of db over the later rows are a carry,
+  as always with whole_chunk=False (static, see _fits_whole_chunk). Each program reads
+  rows of dq_in / dk_in before it writes the same rows.
   """
   valid = valid_ref[pl.program_id(0)] > 0
+  if intra_scores:
+    v_ref, do_ref, *refs = refs
+    d_a = _output_score_tiles(do_ref, v_ref, dtype=dtype)
+  else:
+    da_ref, *refs = refs
+    d_a = _ref_tiles(da_ref)
+  dgamma_ref, dq_in_ref, dk_in_ref, dq_ref, dk_ref, dg_ref = refs
+  d_gamma = dgamma_ref[...]                                              # [1, BK]
 
   def whole(first, b):
     q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
     decay, growth = jnp.exp(b - first), jnp.exp(first - b)
-    d_a = da_ref[...]
-    dq = dq_in_ref[...] + decay * _dot_split(d_a, k * growth, _NN, dtype)
-    dk = dk_in_ref[...] + growth * _dot_split(d_a, q * decay, _TN, dtype)
-    _write_dqkb(valid, q, k, dq, dk, dq_ref, dk_ref, db_ref)
+    scores = d_a(None, None)
+    dq = dq_in_ref[...] + decay * _dot_split(scores, k * growth, _NN, dtype)
+    dk = dk_in_ref[...] + growth * _dot_split(scores, q * decay, _TN, dtype)
+    _write_dq_dk(valid, dq, dk, dq_ref, dk_ref)
+    row = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    dg_ref[...] = _suffix_sums(_db(valid, q, k, dq, dk)
+                               + jnp.where(row == chunk - 1, d_gamma, 0.0))
 
-  def sub_block(i):
+  def sub_block(i, later):
+    """Sub-block i's rows; later: sum of db over the rows after it [1, BK]."""
     rows = pl.ds(i * SUB, SUB)
-    dq, dk = _add_intra(q_ref, k_ref, b_ref, da_ref, i, dq_in_ref[rows, :],
+    dq, dk = _add_intra(q_ref, k_ref, b_ref, d_a, i, dq_in_ref[rows, :],
                         dk_in_ref[rows, :], chunk=chunk, dtype=dtype, unroll=unroll,
                         span=span)
-    _write_dqkb(valid, _rows(q_ref, i), _rows(k_ref, i), dq, dk, dq_ref, dk_ref, db_ref,
-                rows)
+    _write_dq_dk(valid, dq, dk, dq_ref, dk_ref, rows)
+    last_row = (_iota(0, 1) == SUB - 1) & (i == chunk // SUB - 1)
+    db = (_db(valid, _rows(q_ref, i), _rows(k_ref, i), dq, dk)
+          + jnp.where(last_row, d_gamma, 0.0))
+    dg_ref[rows, :] = later + _suffix_sums(db)
+    return later + jnp.sum(db, axis=0, keepdims=True)
 
   _by_chunk_or_sub_block(b_ref, chunk=chunk, span=span, whole_chunk=whole_chunk,
-                         whole=whole, sub_block=sub_block)
+                         whole=whole, sub_block=sub_block,
+                         init=jnp.zeros((1, k_ref.shape[-1]), jnp.float32), reverse=True)
 
 
 # ----------------------------------------------------------------------------------
@@ -638,6 +721,18 @@ def _params(bs: BlockSizes):
 
 def _whole(n):
   return pl.BlockSpec((n,), lambda *_: (0,))
+
+
+def _gate_sums(g, bs, interpret):
+  """b [NC, C, H, Dk] fp32: the in-chunk cumulative sums of g (see _gate_sums_kernel)."""
+  nc, c, h, dk = g.shape
+  bk = min(bs.block_k, dk)
+  blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, i: (n, 0, hh, i))
+  return pl.pallas_call(
+      _gate_sums_kernel, grid=(nc, h, dk // bk), in_specs=[blk], out_specs=blk,
+      out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
+      compiler_params=_params(bs), interpret=interpret, name="gla_gate_sums",
+  )(g)
 
 
 def _local(x, b, z, bs, interpret, to_end):
@@ -876,10 +971,12 @@ def _inter_block_k(c: int, bk: int, dv: int, itemsize: int) -> int | None:
 
 
 def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
-  """dq, dk, db [NC, C, H, Dk] fp32 (see _dqk_kernel), dGamma included in db.
+  """dq, dk and dg [NC, C, H, Dk] fp32: the gradients w.r.t. q, k and the gates g
+  whose in-chunk cumulative sums are b.
 
   BlockSizes.split_dqk uses two kernels where the first one's tiles fit in shared
-  memory (_inter_block_k), else the fused kernel."""
+  memory (_inter_block_k), the second of which turns db into dg; else the fused
+  kernel, whose db (dGamma added) XLA turns into dg."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   if bs.split_dqk:
@@ -905,17 +1002,18 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
                  jax.ShapeDtypeStruct((nc, h, ns, dk), jnp.float32)],
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk",
   )(valid, q, k, b, v, do, h_start, dh, _output_scores(do, v))
-  return dq, dk_, db.at[:, -1].add(jnp.sum(d_gamma, axis=2))
+  db = db.at[:, -1].add(jnp.sum(d_gamma, axis=2))
+  # dg_u = sum_{t >= u} db_t: the in-chunk cumulative sum, taken backwards.
+  return dq, dk_, jnp.flip(chunked.in_chunk_cumsum(jnp.flip(db, 1), axis=1), 1)
 
 
 def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
-  """_dqkb as two kernels (BlockSizes.split_dqk): inter-chunk terms per (chunk, head,
-  Dk block of bk_inter columns), then intra-chunk terms per (chunk, head, Dk block of
-  block_k columns), updating the first kernel's buffers."""
+  """_dqkb as two kernels (BlockSizes.split_dqk): inter-chunk terms and dGamma per
+  (chunk, head, Dk block of bk_inter columns), then intra-chunk terms and dg per
+  (chunk, head, Dk block of block_k columns), updating the first kernel's buffers."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   bk, _ = bs.tiles(dk, dv)
-  ns = c // SUB
   k_blk = pl.BlockSpec((None, c, None, bk_inter), lambda n, hh, kk: (n, 0, hh, kk))
   v_all = pl.BlockSpec((None, c, None, dv), lambda n, hh, kk: (n, 0, hh, 0))
   state = pl.BlockSpec((None, None, bk_inter, dv), lambda n, hh, kk: (n, hh, kk, 0))
@@ -932,23 +1030,30 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
   )(valid, k, b, v, do, h_start, dh)
 
   k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk: (n, 0, hh, kk))
-  d_a = pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0))
   kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
                              unroll=bs.diag_unroll, span=bs.diag_matmul_span,
-                             whole_chunk=_fits_whole_chunk(c, c, bk))
-  dq, dk_, db = pl.pallas_call(
+                             whole_chunk=_fits_whole_chunk(c, c, bk),
+                             intra_scores=bs.intra_scores)
+  if bs.intra_scores:
+    scores_specs, scores_args = [v_all, v_all], (v, do)
+  else:
+    scores_specs = [pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0))]
+    scores_args = (_output_scores(do, v),)
+  n_in = 4 + len(scores_args) + 1  # the inter terms come after these inputs
+  return pl.pallas_call(
       kernel, grid=(nc, h, dk // bk),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk, d_a, k_blk, k_blk],
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, *scores_specs,
+                pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk: (n, hh, 0, kk)),
+                k_blk, k_blk],
       out_specs=[k_blk, k_blk, k_blk],
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(b.shape, jnp.float32)],
       # Each program reads rows of the inter terms before writing the same rows of
       # dq / dk: the buffers can be reused.
-      input_output_aliases={5: 0, 6: 1},
+      input_output_aliases={n_in: 0, n_in + 1: 1},
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
-  )(valid, q, k, b, _output_scores(do, v), dq_inter, dk_inter)
-  return dq, dk_, db.at[:, -1].add(d_gamma[:, :, 0])
+  )(valid, q, k, b, *scores_args, d_gamma, dq_inter, dk_inter)
 
 
 # ----------------------------------------------------------------------------------
@@ -960,12 +1065,13 @@ def _valid_chunks(start, count, nc):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _core(q, k, v, b, h0, start, count, bs, interpret):
-  return _core_fwd(q, k, v, b, h0, start, count, bs, interpret)[0]
+def _core(q, k, v, g, h0, start, count, bs, interpret):
+  return _core_fwd(q, k, v, g, h0, start, count, bs, interpret)[0]
 
 
-def _core_fwd(q, k, v, b, h0, start, count, bs, interpret):
+def _core_fwd(q, k, v, g, h0, start, count, bs, interpret):
   valid = _valid_chunks(start, count, q.shape[0])
+  b = _gate_sums(g, bs, interpret)
   a = _scores(q, k, b, bs, interpret)
   h_start, final = _states(k, v, b, h0, start, count, bs, interpret)
   o = _outputs(q, v, b, a, h_start, valid, bs, interpret)
@@ -984,8 +1090,8 @@ def _core_bwd(bs, interpret, res, cot):
   do = do.astype(v.dtype)
   dh, dh0 = _dstates(q, do, b, dfinal.astype(jnp.float32), start, count, bs, interpret)
   dv = _dv(k, b, a, do, dh, valid, bs, interpret)
-  dq, dk, db = _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db,
+  dq, dk, dg = _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg,
           dh0.astype(h0.dtype), None, None)
 
 
@@ -1065,8 +1171,8 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
   flat = lambda x: x.reshape((bsz * nc,) + x.shape[2:])
   dtype = storage_dtype or storage_dtype_for(q.dtype)
   q, k, v = (flat(x).astype(dtype) for x in (q, k, v))
-  b = chunked.in_chunk_cumsum(chunked.floor_log_decay(flat(g).astype(jnp.float32)), axis=1)
-  o, final = _core(q, k, v, b, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
+  g = chunked.floor_log_decay(flat(g).astype(jnp.float32))
+  o, final = _core(q, k, v, g, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
                    seg_chunks.astype(jnp.int32), block_sizes, interpret)
   return o.reshape((bsz, nc) + o.shape[1:]), final
 
