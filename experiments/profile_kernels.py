@@ -6,8 +6,8 @@ r"""Times each Pallas kernel of the chunked GLA on its own (dense, one segment p
 
 Setting of the op benchmark (bf16, 8 heads, head dim 128, two sequences of L/2 packed
 as two segments of whole chunks). For the default `BlockSizes` it times every kernel
-separately under `jit` (gate sums, scores, states -- the fused state walk -- and its
-unfused form local + sweep, outputs, dv, dq/dk), then the whole core
+separately under `jit` (scores with the gate sums, states -- the fused state walk --
+and its unfused form local + sweep, outputs, dv, dq/dk), then the whole core
 (`pallas_kernels.chunk_gla.chunk_gla`, forward and forward + backward); each
 `--variants` entry (comma-separated BlockSizes fields) times the whole core only, and
 compares its output and gradients (o, dq, dk, dv, dg) with the
@@ -97,7 +97,7 @@ def per_kernel(x, bs, interpret, reps):
   valid = k_._valid_chunks(start, count, x["q"].shape[0])  # pylint: disable=protected-access
   jit = jax.jit
   # Inputs of the later kernels, from the earlier ones.
-  a = jit(lambda q, k, b: k_._scores(q, k, b, bs, interpret))(x["q"], x["k"], x["b"])  # pylint: disable=protected-access
+  a, _ = jit(lambda q, k, g: k_._scores(q, k, g, bs, interpret))(x["q"], x["k"], x["g"])  # pylint: disable=protected-access
   states = jit(lambda k, v, b, h0, s, c: k_._states(k, v, b, h0, s, c, bs, interpret))  # pylint: disable=protected-access
   h_start, _ = states(x["k"], x["v"], x["b"], x["h0"], start, count)
   dstates = jit(lambda q, do, b, h0, s, c: k_._dstates(q, do, b, h0, s, c, bs, interpret))  # pylint: disable=protected-access
@@ -105,8 +105,7 @@ def per_kernel(x, bs, interpret, reps):
   decay = jnp.exp(x["b"][:, -1])
   local = jit(lambda k, b, v: k_._local(k, b, v, bs, interpret, True))  # pylint: disable=protected-access
   fns = {  # pylint: disable=protected-access
-      "gate_sums": (jit(lambda g: k_._gate_sums(g, bs, interpret)), (x["g"],)),
-      "scores": (jit(lambda q, k, b: k_._scores(q, k, b, bs, interpret)), (x["q"], x["k"], x["b"])),
+      "scores": (jit(lambda q, k, g: k_._scores(q, k, g, bs, interpret)), (x["q"], x["k"], x["g"])),
       "states": (jit(lambda k, b, v, h0, s, c: k_._fused_states(k, b, v, h0, s, c, bs, interpret, False)),
                  (x["k"], x["b"], x["v"], x["h0"], start, count)),
       "local": (local, (x["k"], x["b"], x["v"])),

@@ -28,10 +28,9 @@ gates are, so each program picks one of three levels at run time:
 Steep gates anywhere therefore stay exact; GLA-style gates take level 1.
 
 Kernels (grid; what each program does):
-  _gate_sums_kernel (NC, H, nK)   b = cumsum(g) over the chunk's rows (fp32), kept for
+  _scores_kernel  (NC, H)         b = cumsum(g) over the chunk's rows and the
+                                   intra-chunk matrix A [C, C] (fp32), both kept for
                                    the backward pass.
-  _scores_kernel  (NC, H)         the intra-chunk matrix A [C, C] (fp32), kept for the
-                                   backward pass.
   _states_kernel  (nK', nV', H, Z) walk a segment's chunks (backward: in reverse) with
                                    S = diag(e^Gamma) S + (k e^{Gamma - b})^T v -- or,
                                    backward, + (q e^b)^T do -- each chunk's own term
@@ -55,7 +54,7 @@ Kernels (grid; what each program does):
   _dqk_intra_kernel (NC, H, nK)   adds the intra-chunk terms in place, its tiles of dA
                                    computed from do and v on the way
                                    (BlockSizes.intra_scores), and writes dg.
-The custom_vjp takes the gates g themselves: b is summed in the first kernel, and the
+The custom_vjp takes the gates g themselves: b is summed in the scores kernel, and the
 intra kernel turns db into dg_u = sum_{t >= u} db_t (dGamma included), so neither b's
 sums nor their transpose, nor dA, are XLA ops between the kernels (with the fused
 _dqk_kernel, XLA still computes dA and dg).
@@ -205,6 +204,11 @@ def _row(ref, r):
   return ref[pl.ds(r, 1), :].astype(jnp.float32)
 
 
+def _row_of(x, r):
+  """Row r of an [L, D] value as [1, D], exactly (a masked sum: Triton cannot slice)."""
+  return jnp.sum(jnp.where(_iota(0, 1) == r, x, 0.0), axis=0, keepdims=True)
+
+
 def _iota(axis, cols=SUB):
   """Row (axis 0) or column (axis 1) indices of an [L, cols] block."""
   return lax.broadcasted_iota(jnp.int32, (SUB, cols), axis)
@@ -250,12 +254,13 @@ def _dot_split(a, b, contract, dtype):
   return dot(ah, bh) + (dot(ah, bl) + dot(al, bh))
 
 
-def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block,
+def _by_chunk_or_sub_block(gates, *, chunk, span, whole_chunk, whole, sub_block,
                            init=0, reverse=False):
   """whole(b_0, b) where the chunk's decay span b_0 - b is <= span everywhere (and
   whole_chunk, a static shared-memory verdict), else carry = sub_block(i, carry) for
-  each sub-block i in turn (last to first with `reverse`), from `init`. b: the chunk's
-  [C, D] fp32 gates, loaded once for the check and for whole."""
+  each sub-block i in turn (last to first with `reverse`), from `init`. gates(): the
+  chunk's [1, D] first row b_0 and [C, D] fp32 gates b, used for the check and by
+  whole."""
   ns = chunk // SUB
 
   def by_sub_block():
@@ -265,10 +270,26 @@ def _by_chunk_or_sub_block(b_ref, *, chunk, span, whole_chunk, whole, sub_block,
   if not whole_chunk:
     by_sub_block()
     return
-  first, b = _row(b_ref, 0), b_ref[...].astype(jnp.float32)
+  first, b = gates()
   mild = _within_span(first - b, span)
   pl.when(jnp.logical_not(mild))(by_sub_block)
   pl.when(mild)(lambda: whole(first, b))
+
+
+def _value_rows(b):
+  """Row reads of a [C, D] fp32 value, exact (Triton cannot slice a value): rows(i),
+  the [L, D] rows of sub-block i, as a one-hot IEEE matmul (each sum has one nonzero
+  term), and row(r), [1, D], as a masked sum."""
+  c = b.shape[0]
+
+  def rows(i):
+    onehot = (_iota(1, c) == i * SUB + _iota(0, c)).astype(jnp.float32)   # [L, C]
+    return _dot(onehot, b, _NN, jnp.float32)
+
+  def row(r):
+    pos = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    return jnp.sum(jnp.where(pos == r, b, 0.0), axis=0, keepdims=True)
+  return rows, row
 
 
 def _suffix_sums(x):
@@ -277,35 +298,46 @@ def _suffix_sums(x):
   return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, a_ref, *, chunk, dtype, unroll, span,
+def _scores_kernel(q_ref, k_ref, g_ref, a_ref, b_ref, *, chunk, dtype, unroll, span,
                    whole_chunk):
-  """a_ref [C, C] (fp32): the intra-chunk matrix A of one (chunk, head).
+  """a_ref [C, C] (fp32): the intra-chunk matrix A of one (chunk, head), and b_ref
+  [C, Dk] (fp32): the chunk's in-chunk cumulative gates b = cumsum(g), both kept for
+  the other kernels.
 
-  A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, b: [C, Dk].
+  A_ts = sum_d q_td k_sd e^{b_td - b_sd} for s <= t, else 0. q, k, g: [C, Dk].
   Computed once per chunk and reused by the output kernel (A v) and the dv kernel
   (A^T do). Where the chunk's decay span is at most `span` (BlockSizes.
   diag_matmul_span), A is one matmul anchored at row 0,
   (q e^{b - b_0}) (k e^{b_0 - b})^T, with factors up to e^span; otherwise sub-block by
-  sub-block (_score_rows). whole_chunk=False (static: the chunk's operands would not
-  fit in shared memory, see _fits_whole_chunk) always goes sub-block by sub-block.
+  sub-block (_score_rows), reading rows of b exactly (_value_rows). whole_chunk=False
+  (static: the chunk's operands would not fit in shared memory, see
+  _fits_whole_chunk) always goes sub-block by sub-block. Summing b here (Triton's scan,
+  forwards) saves a pass over g: XLA's triangular matmul for it ran at half the copy
+  rate on the H200, and a kernel of its own at the copy rate.
   """
+  b = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
+  b_ref[...] = b
+  rows, row = _value_rows(b)
+
   def whole(first, b):
     a = _dot_split(q_ref[...].astype(jnp.float32) * jnp.exp(b - first),
                    k_ref[...].astype(jnp.float32) * jnp.exp(first - b), _NT, dtype)
-    rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    a_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) <= rows, a, 0.0)
+    pos = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    a_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) <= pos, a, 0.0)
 
   def sub_block(i, carry):
-    _score_rows(q_ref, k_ref, b_ref, a_ref, i, chunk=chunk, dtype=dtype, unroll=unroll,
+    _score_rows(q_ref, k_ref, b, rows, a_ref, i, chunk=chunk, dtype=dtype, unroll=unroll,
                 span=span)
     return carry
 
-  _by_chunk_or_sub_block(b_ref, chunk=chunk, span=span, whole_chunk=whole_chunk,
-                         whole=whole, sub_block=sub_block)
+  # b_0 = g_0: the scan's first element is g's.
+  _by_chunk_or_sub_block(lambda: (row(0), b), chunk=chunk, span=span,
+                         whole_chunk=whole_chunk, whole=whole, sub_block=sub_block)
 
 
-def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
-  """Rows of query sub-block i of A (see _scores_kernel), written to a_ref [C, C].
+def _score_rows(q_ref, k_ref, b, b_rows, a_ref, i, *, chunk, dtype, unroll, span):
+  """Rows of query sub-block i of A (see _scores_kernel), written to a_ref [C, C]; b:
+  the chunk's gates [C, Dk], b_rows(j) its rows of sub-block j [L, Dk].
 
   Anchored at a = b at the first row of i, e^{b_t - b_s} = e^{b_t - a} e^{a - b_s}:
   both factors are <= 1 for key rows s before i. On the diagonal block e^{a - b_s}
@@ -318,8 +350,8 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
   r0 = i * SUB
   rows_i = pl.ds(r0, SUB)
   cols, row = _iota(1), _iota(0, 1)
-  qi, bi = _rows(q_ref, i), _rows(b_ref, i)
-  anchor = _row(b_ref, r0)
+  qi, bi = _rows(q_ref, i), b_rows(i)
+  anchor = _row_of(bi, 0)
   q_t = qi * jnp.exp(bi - anchor)
   mild = _within_span(anchor - bi, span)
 
@@ -330,7 +362,7 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
     # Key rows after i are masked in the exponent (their factor could overflow) and
     # in the result (they are above the diagonal).
     k_t = k_ref[...].astype(jnp.float32) * jnp.exp(
-        jnp.where(after, 0.0, anchor - b_ref[...].astype(jnp.float32)))
+        jnp.where(after, 0.0, anchor - b))
     # Key rows before i with `dtype` operands; those of i with fp32 operands, as the
     # row-by-row path has them. Both [L, C], so that the row block is one store: two
     # overlapping stores from one program could land in either order.
@@ -343,7 +375,7 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
   @pl.when(jnp.logical_not(mild))
   def _row_by_row():
     def off_diagonal(j, carry):
-      k_t = _rows(k_ref, j) * jnp.exp(anchor - _rows(b_ref, j))
+      k_t = _rows(k_ref, j) * jnp.exp(anchor - b_rows(j))
       a_ref[rows_i, pl.ds(j * SUB, SUB)] = _dot(q_t, k_t, _NT, dtype)
       return carry
 
@@ -358,7 +390,7 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
     # sum_d q_td k_sd e^{b_td - b_sd} over t >= s, an elementwise [L, Dk] product with
     # the exponent masked to t >= s before `exp` (so never above 0), reduced over Dk.
     def diag(s, a):
-      ks, bs = _row(k_ref, r0 + s), _row(b_ref, r0 + s)                 # [1, Dk]
+      ks, bs = _row(k_ref, r0 + s), _row_of(bi, s)                      # [1, Dk]
       col = jnp.sum(qi * ks * _masked_exp(bi - bs, row >= s), axis=1, keepdims=True)
       return a + jnp.where(cols == s, col, 0.0)
 
@@ -367,14 +399,6 @@ def _score_rows(q_ref, k_ref, b_ref, a_ref, i, *, chunk, dtype, unroll, span):
 
 # ----------------------------------------------------------------------------------
 # Forward kernels.
-
-
-def _gate_sums_kernel(g_ref, b_ref):
-  """b_ref [C, BK] (fp32) = in-chunk cumulative sums of the gates g_ref [C, BK].
-
-  One read of g and one write of b, in place of the triangular matmul the XLA core
-  uses (chunked.in_chunk_cumsum), which XLA ran at half the copy rate on the H200."""
-  b_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
 
 
 def _local_kernel(x_ref, b_ref, z_ref, out_ref, *, chunk, dtype, to_end):
@@ -705,8 +729,9 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
     dg_ref[rows, :] = later + _suffix_sums(db)
     return later + jnp.sum(db, axis=0, keepdims=True)
 
-  _by_chunk_or_sub_block(b_ref, chunk=chunk, span=span, whole_chunk=whole_chunk,
-                         whole=whole, sub_block=sub_block,
+  _by_chunk_or_sub_block(lambda: (_row(b_ref, 0), b_ref[...].astype(jnp.float32)),
+                         chunk=chunk, span=span, whole_chunk=whole_chunk, whole=whole,
+                         sub_block=sub_block,
                          init=jnp.zeros((1, k_ref.shape[-1]), jnp.float32), reverse=True)
 
 
@@ -721,18 +746,6 @@ def _params(bs: BlockSizes):
 
 def _whole(n):
   return pl.BlockSpec((n,), lambda *_: (0,))
-
-
-def _gate_sums(g, bs, interpret):
-  """b [NC, C, H, Dk] fp32: the in-chunk cumulative sums of g (see _gate_sums_kernel)."""
-  nc, c, h, dk = g.shape
-  bk = min(bs.block_k, dk)
-  blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, i: (n, 0, hh, i))
-  return pl.pallas_call(
-      _gate_sums_kernel, grid=(nc, h, dk // bk), in_specs=[blk], out_specs=blk,
-      out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
-      compiler_params=_params(bs), interpret=interpret, name="gla_gate_sums",
-  )(g)
 
 
 def _local(x, b, z, bs, interpret, to_end):
@@ -861,8 +874,8 @@ def _dstates(q, do, b, dfinal, start, count, bs, interpret):
                 seq_dtype=_seq_dtype(bs, q.dtype))
 
 
-def _scores(q, k, b, bs, interpret):
-  """A [NC, H, C, C] fp32 (see _scores_kernel)."""
+def _scores(q, k, g, bs, interpret):
+  """(A [NC, H, C, C], b [NC, C, H, Dk]) fp32 (see _scores_kernel)."""
   nc, c, h, dk = q.shape
   full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh: (n, 0, hh, 0))
   kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll,
@@ -870,10 +883,11 @@ def _scores(q, k, b, bs, interpret):
                              whole_chunk=_fits_whole_chunk(c, dk, c))
   return pl.pallas_call(
       kernel, grid=(nc, h), in_specs=[full_k, full_k, full_k],
-      out_specs=pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
+      out_specs=[pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)), full_k],
+      out_shape=[jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
+                 jax.ShapeDtypeStruct(g.shape, jnp.float32)],
       compiler_params=_params(bs), interpret=interpret, name="gla_scores",
-  )(q, k, b)
+  )(q, k, g)
 
 
 def _value_tiled_specs(c, dk, dv, bs):
@@ -1071,8 +1085,7 @@ def _core(q, k, v, g, h0, start, count, bs, interpret):
 
 def _core_fwd(q, k, v, g, h0, start, count, bs, interpret):
   valid = _valid_chunks(start, count, q.shape[0])
-  b = _gate_sums(g, bs, interpret)
-  a = _scores(q, k, b, bs, interpret)
+  a, b = _scores(q, k, g, bs, interpret)
   h_start, final = _states(k, v, b, h0, start, count, bs, interpret)
   o = _outputs(q, v, b, a, h_start, valid, bs, interpret)
   # Keeping the states saves a local-state pass and a sweep in the backward pass;

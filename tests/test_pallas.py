@@ -274,16 +274,16 @@ def test_kernels_lower_for_cuda():
                     impl="pallas_varlen", shared=(q, k, g))
     return jnp.sum(o1.astype(jnp.float32)) + jnp.sum(o2.astype(jnp.float32))
 
-  # Per op: forward gate sums, scores, states, outputs; backward reverse states (state
-  # gradients), dv, dq/dk inter and intra (the forward's states are kept).
+  # Per op: forward scores (and gate sums), states, outputs; backward reverse states
+  # (state gradients), dv, dq/dk inter and intra (the forward's states are kept).
   calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
-  assert calls == 16, f"expected 16 Triton kernel calls, found {calls}"
+  assert calls == 14, f"expected 14 Triton kernel calls, found {calls}"
   # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
-  # pallas_call gains a grid dimension, and still lowers, as the same 16 calls.
+  # pallas_call gains a grid dimension, and still lowers, as the same 14 calls.
   stack = lambda a: jnp.stack([a, a])
   calls = _cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
                              *map(stack, x), stack(w))
-  assert calls == 16, f"vmapped: expected 16 Triton kernel calls, found {calls}"
+  assert calls == 14, f"vmapped: expected 14 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
   # (one more state walk in the backward), other tiles, dq/dk in two kernels, and the
@@ -291,15 +291,15 @@ def test_kernels_lower_for_cuda():
   c, h, d = 32, 1, 64
   q = jnp.ones((1, 2, c, h, d), jnp.bfloat16)
   h0, start, count = jnp.zeros((1, h, d, d)), jnp.asarray([0]), jnp.asarray([2])
-  for fields, want in ((dict(split_dqk=False, diag_unroll=1), 7),
-                       (dict(split_dqk=False, diag_unroll=4), 7),
-                       (dict(recompute_states=True), 9),
-                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 8),
-                       (dict(split_dqk=True), 8),
-                       (dict(intra_scores=False), 8),
-                       (dict(fused_states=False), 10),
-                       (dict(walk_programs=1), 8),
-                       (dict(fused_states=False, recompute_states=True), 12)):
+  for fields, want in ((dict(split_dqk=False, diag_unroll=1), 6),
+                       (dict(split_dqk=False, diag_unroll=4), 6),
+                       (dict(recompute_states=True), 8),
+                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 7),
+                       (dict(split_dqk=True), 7),
+                       (dict(intra_scores=False), 7),
+                       (dict(fused_states=False), 9),
+                       (dict(walk_programs=1), 7),
+                       (dict(fused_states=False, recompute_states=True), 11)):
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
         q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
@@ -317,7 +317,7 @@ def test_profile_kernels_runs_every_kernel():
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     times = profile_kernels.per_kernel(x, bs, True, reps=1)
-  assert set(times) == {"gate_sums", "scores", "states", "local", "sweep", "outputs", "dv", "dqk",
+  assert set(times) == {"scores", "states", "local", "sweep", "outputs", "dv", "dqk",
                         "dqk_split"}
   assert all(t > 0 for t in times.values())
   # Its check of a variant against the defaults: the split dq/dk agrees to bf16
