@@ -5,7 +5,8 @@
 #
 # STEPS: a comma-separated subset of tests,profile,bench,trace [tests,profile,bench]. On
 # an H200 with 16 CPU cores expect roughly 4 minutes for tests (PYTEST_WORKERS [4]
-# pytest workers: 44 tests, compile-bound; 8 workers reached 41 in 150 s), 3 for
+# pytest workers: 45 tests, compile-bound; 8 workers ran 41 in 99 s, and each C = 128
+# block-size case compiles for 100-140 s), 3 for
 # profile, 6 for bench (~7 s of compiling per row), plus up to FLA_TIMEOUT_S for fla
 # (its first call compiles and autotunes for ~4 minutes), and ~1 for trace: split the
 # steps over runs where time is limited.

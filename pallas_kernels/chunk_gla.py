@@ -566,7 +566,8 @@ def _output_score_tiles(do_ref, v_ref, *, dtype):
 def _add_intra(q_ref, k_ref, b_ref, d_a, i, dq, dk, *, chunk, dtype, unroll, span):
   """dq, dk [L, BK] of sub-block i plus their intra-chunk terms.
 
-  d_a(rows, cols): a tile of dA [C, C] = tril(do v^T) (fp32; _output_score_tiles). dq is anchored at the first row of i (key rows
+  d_a(rows, cols): a tile of dA [C, C] = tril(do v^T) (fp32; _output_score_tiles or
+  _ref_tiles). dq is anchored at the first row of i (key rows
   s <= t), dk at the last row of i (query rows t >= s), so that every exponent is <= 0
   outside the diagonal block. While the sub-block's decay span is at most `span`, the
   other sub-blocks are one [L, C] x [C, BK] matmul for each of dq, dk and the diagonal
