@@ -16,7 +16,11 @@ that carries the logical axis names (`nn.get_partition_spec` reads them;
 `nn.meta.unbox` gives plain arrays). Each wrapper returns a Linen module whose call
 signature and outputs are those of the NNX module: mixers take (x [B, T, D],
 cache=None) and return `MixerOutput`; the model takes tokens [B, T] (and `cache=`)
-and returns `ModelOutput`. Initialisation needs a "params" rng.
+and returns `ModelOutput`. Initialisation needs a "params" rng. Other methods of the
+NNX module are reached with `nnx_method`, e.g. the decoding cache, then one step:
+
+    cache = lm.apply(variables, batch, max_len, nnx_method="init_cache")
+    out = lm.apply(variables, tokens[:, t:t + 1], cache=cache)   # out.cache: the next
 """
 
 from __future__ import annotations

@@ -69,3 +69,21 @@ def test_language_model_wrapper_matches_nnx():
   assert out.logits.dtype == jnp.float32
   assert_close(out.logits, ref.logits, 1e-6, "linen LM vs nnx")
   np.testing.assert_allclose(out.aux_loss, ref.aux_loss, rtol=1e-6)
+
+
+def test_language_model_wrapper_decodes_with_a_cache():
+  """init_cache through `nnx_method`, then token-by-token steps: the same logits as the
+  full sequence (an SSE and an attention layer, so both cache kinds)."""
+  cfg = dataclasses.replace(tiny("sse_h"), pattern="SA")
+  toks = jax.random.randint(jax.random.key(4), (2, 12), 0, 256)
+  lm = sse_linen.language_model(cfg)
+  variables = jax.jit(lm.init)(jax.random.key(5), toks)
+  full = jax.jit(lm.apply)(variables, toks).logits
+  cache = lm.apply(variables, 2, 12, nnx_method="init_cache")
+  step = jax.jit(lambda v, t, c: lm.apply(v, t, cache=c))
+  logits = []
+  for t in range(toks.shape[1]):
+    out = step(variables, toks[:, t:t + 1], cache)
+    cache = out.cache
+    logits.append(out.logits)
+  assert_close(jnp.concatenate(logits, axis=1), full, 1e-5, "decoded vs full")
