@@ -205,8 +205,9 @@ def _row(ref, r):
 
 
 def _row_of(x, r):
-  """Row r of an [L, D] value as [1, D], exactly (a masked sum: Triton cannot slice)."""
-  return jnp.sum(jnp.where(_iota(0, 1) == r, x, 0.0), axis=0, keepdims=True)
+  """Row r of an [R, D] value as [1, D], exactly (a masked sum: Triton cannot slice)."""
+  pos = lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+  return jnp.sum(jnp.where(pos == r, x, 0.0), axis=0, keepdims=True)
 
 
 def _iota(axis, cols=SUB):
@@ -277,19 +278,14 @@ def _by_chunk_or_sub_block(gates, *, chunk, span, whole_chunk, whole, sub_block,
 
 
 def _value_rows(b):
-  """Row reads of a [C, D] fp32 value, exact (Triton cannot slice a value): rows(i),
-  the [L, D] rows of sub-block i, as a one-hot IEEE matmul (each sum has one nonzero
-  term), and row(r), [1, D], as a masked sum."""
+  """rows(i): the [L, D] rows of sub-block i of a [C, D] fp32 value, exactly (Triton
+  cannot slice a value), as a one-hot IEEE matmul: each sum has one nonzero term."""
   c = b.shape[0]
 
   def rows(i):
     onehot = (_iota(1, c) == i * SUB + _iota(0, c)).astype(jnp.float32)   # [L, C]
     return _dot(onehot, b, _NN, jnp.float32)
-
-  def row(r):
-    pos = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-    return jnp.sum(jnp.where(pos == r, b, 0.0), axis=0, keepdims=True)
-  return rows, row
+  return rows
 
 
 def _suffix_sums(x):
@@ -309,7 +305,7 @@ def _scores_kernel(q_ref, k_ref, g_ref, a_ref, b_ref, *, chunk, dtype, unroll, s
   (A^T do). Where the chunk's decay span is at most `span` (BlockSizes.
   diag_matmul_span), A is one matmul anchored at row 0,
   (q e^{b - b_0}) (k e^{b_0 - b})^T, with factors up to e^span; otherwise sub-block by
-  sub-block (_score_rows), reading rows of b exactly (_value_rows). whole_chunk=False
+  sub-block (_score_rows), reading rows of b exactly (_value_rows, _row_of). whole_chunk=False
   (static: the chunk's operands would not fit in shared memory, see
   _fits_whole_chunk) always goes sub-block by sub-block. Summing b here (Triton's scan,
   forwards) saves a pass over g: XLA's triangular matmul for it ran at half the copy
@@ -317,7 +313,7 @@ def _scores_kernel(q_ref, k_ref, g_ref, a_ref, b_ref, *, chunk, dtype, unroll, s
   """
   b = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
   b_ref[...] = b
-  rows, row = _value_rows(b)
+  rows = _value_rows(b)
 
   def whole(first, b):
     a = _dot_split(q_ref[...].astype(jnp.float32) * jnp.exp(b - first),
@@ -330,8 +326,8 @@ def _scores_kernel(q_ref, k_ref, g_ref, a_ref, b_ref, *, chunk, dtype, unroll, s
                 span=span)
     return carry
 
-  # b_0 = g_0: the scan's first element is g's.
-  _by_chunk_or_sub_block(lambda: (row(0), b), chunk=chunk, span=span,
+  # b_0 = g_0: the scan's first element is g's (a one-row load, not a reduction).
+  _by_chunk_or_sub_block(lambda: (_row(g_ref, 0), b), chunk=chunk, span=span,
                          whole_chunk=whole_chunk, whole=whole, sub_block=sub_block)
 
 
@@ -1054,7 +1050,7 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
   else:
     scores_specs = [pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0))]
     scores_args = (_output_scores(do, v),)
-  n_in = 4 + len(scores_args) + 1  # the inter terms come after these inputs
+  args = (valid, q, k, b, *scores_args, d_gamma, dq_inter, dk_inter)
   return pl.pallas_call(
       kernel, grid=(nc, h, dk // bk),
       in_specs=[_whole(nc), k_blk, k_blk, k_blk, *scores_specs,
@@ -1066,9 +1062,9 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
                  jax.ShapeDtypeStruct(b.shape, jnp.float32)],
       # Each program reads rows of the inter terms before writing the same rows of
       # dq / dk: the buffers can be reused.
-      input_output_aliases={n_in: 0, n_in + 1: 1},
+      input_output_aliases={len(args) - 2: 0, len(args) - 1: 1},
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
-  )(valid, q, k, b, *scores_args, d_gamma, dq_inter, dk_inter)
+  )(*args)
 
 
 # ----------------------------------------------------------------------------------
