@@ -11,7 +11,9 @@ of tokens per step (batch = tokens / T), each with its fastest implementation
 Reports tokens/s (median step time after warm-up) and the device's peak memory.
 Writes <out>/throughput.json, .md and .png.
 
-With --workers=W, W child processes build and compile the (variant, T) points at once
+Each point runs in a child process of its own (the device's peak-memory statistic
+never decreases within a process). With --workers=W, W of them build and compile the
+(variant, T) points at once
 (compilation is host work), but each holds an exclusive file lock while it is timed, so
 no two timings share the device. Each child may use 0.9 / W of the device memory, which
 then bounds the peak memory a point can reach (a point that does not fit is reported
@@ -144,7 +146,10 @@ def main(argv):
               tokens_per_step=FLAGS.tokens, impl=FLAGS.impl,
               command="python -m experiments.throughput " + " ".join(sys.argv[1:]))
   points = [(v, int(t)) for t in FLAGS.lengths for v in FLAGS.variants]
-  if FLAGS.workers > 1:
+  # Several points run in child processes even one at a time: the device's peak-memory
+  # statistic only grows within a process, so each point needs its own to report its
+  # own peak.
+  if FLAGS.workers > 1 or (len(points) > 1 and not FLAGS.lock):
     meta["workers"] = FLAGS.workers
     rows = measure_in_children(points, out)
   else:

@@ -295,7 +295,7 @@ def _suffix_sums(x):
 
 
 def _scores_kernel(q_ref, k_ref, g_ref, a_ref, b_ref, *, chunk, dtype, unroll, span,
-                   whole_chunk):
+                   whole_chunk, barrier):
   """a_ref [C, C] (fp32): the intra-chunk matrix A of one (chunk, head), and b_ref
   [C, Dk] (fp32): the chunk's in-chunk cumulative gates b = cumsum(g), both kept for
   the other kernels.
@@ -307,13 +307,23 @@ def _scores_kernel(q_ref, k_ref, g_ref, a_ref, b_ref, *, chunk, dtype, unroll, s
   (q e^{b - b_0}) (k e^{b_0 - b})^T, with factors up to e^span; otherwise sub-block by
   sub-block (_score_rows), reading rows of b exactly (_value_rows, _row_of). whole_chunk=False
   (static: the chunk's operands would not fit in shared memory, see
-  _fits_whole_chunk) always goes sub-block by sub-block. Summing b here (Triton's scan,
+  _fits_whole_chunk) always goes sub-block by sub-block, and reads b's rows back from
+  b_ref instead: the one-hot matmul would stage all of b in shared memory beside the
+  key operand (C = 128, Dk = 256, fp32: 272 KiB asked on the H200, over the limit).
+  `barrier` (static; off in interpret mode, which runs one program's steps in order)
+  makes the block's stores of b visible to all its threads before they are read.
+  Summing b here (Triton's scan,
   forwards) saves a pass over g: XLA's triangular matmul for it ran at half the copy
   rate on the H200, and a kernel of its own at the copy rate.
   """
   b = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
   b_ref[...] = b
-  rows = _value_rows(b)
+  if whole_chunk:
+    rows = _value_rows(b)
+  else:
+    if barrier:
+      plgpu.debug_barrier()
+    rows = lambda i: _rows(b_ref, i)
 
   def whole(first, b):
     a = _dot_split(q_ref[...].astype(jnp.float32) * jnp.exp(b - first),
@@ -322,8 +332,8 @@ def _scores_kernel(q_ref, k_ref, g_ref, a_ref, b_ref, *, chunk, dtype, unroll, s
     a_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) <= pos, a, 0.0)
 
   def sub_block(i, carry):
-    _score_rows(q_ref, k_ref, b, rows, a_ref, i, chunk=chunk, dtype=dtype, unroll=unroll,
-                span=span)
+    _score_rows(q_ref, k_ref, b if whole_chunk else b_ref[...], rows, a_ref, i,
+                chunk=chunk, dtype=dtype, unroll=unroll, span=span)
     return carry
 
   # b_0 = g_0: the scan's first element is g's (a one-row load, not a reduction).
@@ -877,7 +887,8 @@ def _scores(q, k, g, bs, interpret):
   full_k = pl.BlockSpec((None, c, None, dk), lambda n, hh: (n, 0, hh, 0))
   kernel = functools.partial(_scores_kernel, chunk=c, dtype=q.dtype, unroll=bs.diag_unroll,
                              span=bs.diag_matmul_span,
-                             whole_chunk=_fits_whole_chunk(c, dk, c))
+                             whole_chunk=_fits_whole_chunk(c, dk, c),
+                             barrier=not interpret)
   return pl.pallas_call(
       kernel, grid=(nc, h), in_specs=[full_k, full_k, full_k],
       out_specs=[pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)), full_k],

@@ -305,6 +305,16 @@ def test_kernels_lower_for_cuda():
         q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
     calls = _cuda_triton_calls(jax.grad(core, (0, 1, 2, 3)), q, q, q, -q.astype(jnp.float32))
     assert calls == want, f"{fields}: expected {want} Triton kernel calls, found {calls}"
+  # Tiles too large for whole-chunk matmuls (C = 128, Dk = Dv = 256, fp32): the scores
+  # kernel reads b's rows back from its output after a barrier, and the dq/dk kernels
+  # are fused (the split one's tiles do not fit).
+  big = jnp.ones((1, 1, 128, h, 256), jnp.float32)
+  bs = pallas_chunk_gla.BlockSizes(chunk=128)
+  core = lambda q, k, v, g: jnp.sum(pallas_chunk_gla.chunk_gla(
+      q, k, v, g, jnp.zeros((1, h, 256, 256)), start, jnp.asarray([1]), block_sizes=bs,
+      interpret=False)[0])
+  calls = _cuda_triton_calls(jax.grad(core, (0, 1, 2, 3)), big, big, big, -big)
+  assert calls == 6, f"C = 128, D = 256: expected 6 Triton kernel calls, found {calls}"
 
 
 def test_profile_kernels_runs_every_kernel():
