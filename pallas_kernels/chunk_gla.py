@@ -1161,6 +1161,14 @@ def block_size_defaults(**fields):
     _BLOCK_SIZE_DEFAULTS.pop()
 
 
+def trace_settings() -> tuple:
+  """The settings of force_interpret and block_size_defaults now in effect, hashable:
+  a static argument of the ops' jitted bodies (`sse_jax.ops.gla._gla`), so that a
+  change of either makes them trace again instead of reusing an earlier trace."""
+  fields = _BLOCK_SIZE_DEFAULTS[-1] if _BLOCK_SIZE_DEFAULTS else {}
+  return (_FORCE_INTERPRET[-1] if _FORCE_INTERPRET else None, tuple(sorted(fields.items())))
+
+
 def default_interpret() -> bool:
   """Pallas-Triton kernels need a GPU; elsewhere they run in interpret mode."""
   if _FORCE_INTERPRET:

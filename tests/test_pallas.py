@@ -317,6 +317,30 @@ def test_kernels_lower_for_cuda():
   assert calls == 6, f"C = 128, D = 256: expected 6 Triton kernel calls, found {calls}"
 
 
+def test_trace_settings_are_not_frozen_by_the_ops_jit():
+  """The ops jit their bodies; force_interpret and block_size_defaults act at trace
+  time, so a change of either must retrace them, not reuse the first trace: the same
+  op lowered for CUDA has no Triton calls in interpret mode, then its kernels again
+  (and other kernels under other block sizes)."""
+  x = random_qkvg(jax.random.PRNGKey(0), 1, 64, 1, 32, 32, jnp.float32)
+  for op in (lambda q, k, v, g: ops.gla(q, k, v, g, impl="pallas_chunk", chunk_size=32)[0],
+             lambda q, k, v, g: ops.sse(q, k, v, g, jnp.ones((1, 64, 1)),
+                                        jnp.zeros((1, 64, 1), jnp.int32), num_partitions=2,
+                                        impl="pallas_varlen", chunk_size=32)[0]):
+    # A fresh outer jit each time: only the ops' own jit could reuse a trace.
+    lowered = lambda: jax.jit(lambda *a: op(*a)).trace(*x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    count = lambda text: text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", category=DeprecationWarning)
+      with pallas_chunk_gla.force_interpret(True):
+        assert count(lowered()) == 0
+      with pallas_chunk_gla.force_interpret(False):
+        assert count(lowered()) == 3  # forward: scores, states, outputs
+        with pallas_chunk_gla.block_size_defaults(fused_states=False):
+          assert count(lowered()) == 4  # local + sweep instead of one walk
+
+
 def test_profile_kernels_runs_every_kernel():
   """`experiments.profile_kernels` reaches each kernel through the private wrappers it
   times; in interpret mode, at a tiny size, its numbers are not timings, only a check

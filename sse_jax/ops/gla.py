@@ -149,7 +149,7 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
     return jnp.zeros((b, 0, h, dv), v.dtype), (h0 if output_final_state else None)
   return _gla(q, k, v, g, scale, initial_state, cu_seqlens, impl=impl,
               chunk_size=chunk_size, dtype=dtype, qkv_dtype=qkv_dtype, nstate=nstate,
-              output_final_state=output_final_state)
+              output_final_state=output_final_state, trace_key=impl_lib.trace_key(impl))
 
 
 # One compiled program per configuration: called eagerly (a notebook, a test), `gla`
@@ -157,10 +157,12 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
 # B = 2, T = 64, the first eager call took 4.5 s that way against 0.3 s, later ones 100x
 # longer. Under an outer jit it is inlined.
 @functools.partial(jax.jit, static_argnames=("impl", "chunk_size", "dtype", "qkv_dtype",
-                                             "nstate", "output_final_state"))
+                                             "nstate", "output_final_state", "trace_key"))
 def _gla(q, k, v, g, scale, initial_state, cu_seqlens, *, impl, chunk_size, dtype,
-         qkv_dtype, nstate, output_final_state):
-  """gla's computation on checked inputs (see `gla`)."""
+         qkv_dtype, nstate, output_final_state, trace_key):
+  """gla's computation on checked inputs (see `gla`); trace_key (static, unused here)
+  keys the trace to the Pallas kernels' trace-time settings."""
+  del trace_key
   b, _, h, dk = q.shape
   dv = v.shape[-1]
   out_dtype = v.dtype

@@ -85,3 +85,13 @@ def storage_dtype(impl: Impl, input_dtypes, compute_dtype):
   if all(jnp.dtype(d) == jnp.bfloat16 for d in input_dtypes):
     return jnp.dtype(jnp.bfloat16)
   return jnp.dtype(jnp.float32)
+
+
+def trace_key(impl: Impl):
+  """What a trace of `impl` depends on beyond its arguments: the Pallas kernels'
+  trace-time settings (`pallas_kernels.chunk_gla.trace_settings`), None for the XLA
+  impls. The ops pass it as a static argument of their jitted bodies."""
+  if not impl.is_pallas:
+    return None
+  from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
+  return pallas_chunk_gla.trace_settings()

@@ -282,7 +282,8 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
   return _sse(q, k, v, g, weights, indices, read, h0, shared or (), h0_shared, scale,
               cu_seqlens, num_partitions=num_partitions, gate=gate, impl=impl,
               chunk_size=chunk_size, dtype=dtype, qkv_dtype=qkv_dtype, nstate=nstate,
-              with_shared=shared is not None, output_final_state=output_final_state)
+              with_shared=shared is not None, output_final_state=output_final_state,
+              trace_key=impl_lib.trace_key(impl))
 
 
 # One compiled program per configuration, as for `gla._gla`: eager calls run one
@@ -291,12 +292,13 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
 # against 1.2 s, later ones 0.27 against 0.06 s).
 @functools.partial(jax.jit, static_argnames=(
     "num_partitions", "gate", "impl", "chunk_size", "dtype", "qkv_dtype", "nstate",
-    "with_shared", "output_final_state"))
+    "with_shared", "output_final_state", "trace_key"))
 def _sse(q, k, v, g, weights, indices, read, h0, shared, h0_shared, scale, cu_seqlens, *,
          num_partitions, gate, impl, chunk_size, dtype, qkv_dtype, nstate, with_shared,
-         output_final_state):
+         output_final_state, trace_key):
   """sse's computation on checked inputs (see `sse`); shared is () without the shared
-  partition, read () when the read set is the write set."""
+  partition, read () when the read set is the write set; trace_key as in `gla._gla`."""
+  del trace_key
   b, _, h, dk = q.shape
   dv = v.shape[-1]
   out_dtype = v.dtype
