@@ -248,12 +248,13 @@ def test_block_sizes_validate():
     pallas_chunk_gla.BlockSizes().tiles(40, 64)
 
 
-def _cuda_triton_calls(fn, *args):
+def _cuda_triton_calls(fn, *args, interpret=False):
   """Number of Triton kernel calls in jit(fn) lowered for CUDA (Pallas kernels compiled,
-  not interpreted); the lowering itself is the check that Triton accepts them."""
+  not interpreted, unless `interpret`); the lowering itself is the check that Triton
+  accepts them."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    with pallas_chunk_gla.force_interpret(False):
+    with pallas_chunk_gla.force_interpret(interpret):
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
 
@@ -328,17 +329,11 @@ def test_trace_settings_are_not_frozen_by_the_ops_jit():
                                         jnp.zeros((1, 64, 1), jnp.int32), num_partitions=2,
                                         impl="pallas_varlen", chunk_size=32)[0]):
     # A fresh outer jit each time: only the ops' own jit could reuse a trace.
-    lowered = lambda: jax.jit(lambda *a: op(*a)).trace(*x).lower(
-        lowering_platforms=("cuda",)).as_text()
-    count = lambda text: text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", category=DeprecationWarning)
-      with pallas_chunk_gla.force_interpret(True):
-        assert count(lowered()) == 0
-      with pallas_chunk_gla.force_interpret(False):
-        assert count(lowered()) == 3  # forward: scores, states, outputs
-        with pallas_chunk_gla.block_size_defaults(fused_states=False):
-          assert count(lowered()) == 4  # local + sweep instead of one walk
+    calls = lambda **kw: _cuda_triton_calls(lambda *a: op(*a), *x, **kw)
+    assert calls(interpret=True) == 0
+    assert calls() == 3  # forward: scores, states, outputs
+    with pallas_chunk_gla.block_size_defaults(fused_states=False):
+      assert calls() == 4  # local + sweep instead of one walk
 
 
 def test_profile_kernels_runs_every_kernel():

@@ -143,13 +143,13 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
   dtype = checks.compute_dtype(q, k, v, g, initial_state)
   scale = dk ** -0.5 if scale is None else scale
   qkv_dtype = impl_lib.storage_dtype(impl, (q.dtype, k.dtype, v.dtype), dtype)
+  h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
+        else initial_state.astype(dtype))
   if t == 0:  # no tokens: nothing to compute, every state stays as it was
-    h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
-          else initial_state.astype(dtype))
     return jnp.zeros((b, 0, h, dv), v.dtype), (h0 if output_final_state else None)
-  return _gla(q, k, v, g, scale, initial_state, cu_seqlens, impl=impl,
-              chunk_size=chunk_size, dtype=dtype, qkv_dtype=qkv_dtype, nstate=nstate,
-              output_final_state=output_final_state, trace_key=impl_lib.trace_key(impl))
+  return _gla(q, k, v, g, scale, h0, cu_seqlens, impl=impl, chunk_size=chunk_size,
+              dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state,
+              trace_key=impl_lib.trace_key(impl))
 
 
 # One compiled program per configuration: called eagerly (a notebook, a test), `gla`
@@ -157,19 +157,17 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
 # B = 2, T = 64, the first eager call took 4.5 s that way against 0.3 s, later ones 100x
 # longer. Under an outer jit it is inlined.
 @functools.partial(jax.jit, static_argnames=("impl", "chunk_size", "dtype", "qkv_dtype",
-                                             "nstate", "output_final_state", "trace_key"))
-def _gla(q, k, v, g, scale, initial_state, cu_seqlens, *, impl, chunk_size, dtype,
-         qkv_dtype, nstate, output_final_state, trace_key):
-  """gla's computation on checked inputs (see `gla`); trace_key (static, unused here)
-  keys the trace to the Pallas kernels' trace-time settings."""
+                                             "output_final_state", "trace_key"))
+def _gla(q, k, v, g, scale, h0, cu_seqlens, *, impl, chunk_size, dtype, qkv_dtype,
+         output_final_state, trace_key):
+  """gla's computation on checked inputs (see `gla`), h0 already in `dtype`;
+  trace_key (static, unused here) keys the trace to the Pallas kernels' trace-time
+  settings."""
   del trace_key
-  b, _, h, dk = q.shape
-  dv = v.shape[-1]
+  b, h = q.shape[0], q.shape[2]
   out_dtype = v.dtype
   q = (q.astype(dtype) * scale).astype(qkv_dtype)
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
-  h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
-        else initial_state.astype(dtype))
 
   def run(q, k, v, g, h0):
     if impl is Impl.SCAN:

@@ -268,21 +268,21 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
   scale = dk ** -0.5 if scale is None else scale
   qkv_dtype = impl_lib.storage_dtype(
       impl, [x.dtype for x in (q, k, v) + tuple(shared or ())[:2]], dtype)
+  h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
+        else h0.astype(dtype))
+  if shared is not None:
+    h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
+                 else h0_shared.astype(dtype))
   if t == 0:  # no tokens: nothing to compute, every state stays as it was
     o = jnp.zeros((b, 0, h, dv), v.dtype)
     if not output_final_state:
       return o, None
-    h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
-          else h0.astype(dtype))
-    if shared is None:
-      return o, h0
-    return o, (h0, jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
-               else h0_shared.astype(dtype))
+    return o, (h0 if shared is None else (h0, h0_shared))
   read = () if read_indices is None else (read_weights, read_indices)
-  return _sse(q, k, v, g, weights, indices, read, h0, shared or (), h0_shared, scale,
-              cu_seqlens, num_partitions=num_partitions, gate=gate, impl=impl,
-              chunk_size=chunk_size, dtype=dtype, qkv_dtype=qkv_dtype, nstate=nstate,
-              with_shared=shared is not None, output_final_state=output_final_state,
+  return _sse(q, k, v, g, weights, indices, read, h0, shared or (),
+              () if shared is None else h0_shared, scale, cu_seqlens,
+              num_partitions=num_partitions, gate=gate, impl=impl, chunk_size=chunk_size,
+              dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state,
               trace_key=impl_lib.trace_key(impl))
 
 
@@ -291,27 +291,24 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
 # (varlen with the shared partition, B = 2, T = 64, on CPU: the first call 8.7 s
 # against 1.2 s, later ones 0.27 against 0.06 s).
 @functools.partial(jax.jit, static_argnames=(
-    "num_partitions", "gate", "impl", "chunk_size", "dtype", "qkv_dtype", "nstate",
-    "with_shared", "output_final_state", "trace_key"))
+    "num_partitions", "gate", "impl", "chunk_size", "dtype", "qkv_dtype",
+    "output_final_state", "trace_key"))
 def _sse(q, k, v, g, weights, indices, read, h0, shared, h0_shared, scale, cu_seqlens, *,
-         num_partitions, gate, impl, chunk_size, dtype, qkv_dtype, nstate, with_shared,
-         output_final_state, trace_key):
-  """sse's computation on checked inputs (see `sse`); shared is () without the shared
-  partition, read () when the read set is the write set; trace_key as in `gla._gla`."""
+         num_partitions, gate, impl, chunk_size, dtype, qkv_dtype, output_final_state,
+         trace_key):
+  """sse's computation on checked inputs (see `sse`), the initial states already in
+  `dtype`; shared and h0_shared are () without the shared partition, read () when the
+  read set is the write set; trace_key as in `gla._gla`."""
   del trace_key
-  b, _, h, dk = q.shape
-  dv = v.shape[-1]
+  b, h = q.shape[0], q.shape[2]
+  with_shared = bool(shared)
   out_dtype = v.dtype
   q = (q.astype(dtype) * scale).astype(qkv_dtype)
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
-  h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
-        else h0.astype(dtype))
   if with_shared:
     q0, k0, g0 = shared
     shared = ((q0.astype(dtype) * scale).astype(qkv_dtype), k0.astype(qkv_dtype),
               g0.astype(dtype))
-    h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
-                 else h0_shared.astype(dtype))
   weights = weights.astype(dtype)
   if read:
     read = (read[0].astype(dtype), read[1])
@@ -330,8 +327,7 @@ def _sse(q, k, v, g, weights, indices, read, h0, shared, h0_shared, scale, cu_se
       o, final, final0 = fold(*args, chunk_size, impl_lib.chunk_core(impl, qkv_dtype))
     return o, final, (() if final0 is None else final0)  # no None leaves in shard_map
 
-  inputs = (q, k, v, g, weights, indices, read, h0, shared,
-            h0_shared if with_shared else ())
+  inputs = (q, k, v, g, weights, indices, read, h0, shared, h0_shared)
   # With cu_seqlens (B == 1) only the heads can be sharded: shard_axes finds no batch
   # axis that divides 1, and each device runs its heads over the whole packed T.
   axes = sharding.shard_axes(b, h)
