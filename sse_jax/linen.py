@@ -15,8 +15,9 @@ Parameters live in the Linen "params" collection, boxed in `nnx.bridge.NNXMeta`
 that carries the logical axis names (`nn.get_partition_spec` reads them;
 `nn.meta.unbox` gives plain arrays). Each wrapper returns a Linen module whose call
 signature and outputs are those of the NNX module: mixers take (x [B, T, D],
-cache=None) and return `MixerOutput`; the model takes tokens [B, T] (and `cache=`)
-and returns `ModelOutput`. Initialisation needs a "params" rng. Other methods of the
+cache=None, *, cu_seqlens=None) and return `MixerOutput`; the model takes tokens
+[B, T] (and `cache=` or, for packed sequences, `cu_seqlens=`) and returns
+`ModelOutput`. Initialisation needs a "params" rng. Other methods of the
 NNX module are reached with `nnx_method`, e.g. the decoding cache, then one step:
 
     cache = lm.apply(variables, batch, max_len, nnx_method="init_cache")

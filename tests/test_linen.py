@@ -69,6 +69,11 @@ def test_language_model_wrapper_matches_nnx():
   assert out.logits.dtype == jnp.float32
   assert_close(out.logits, ref.logits, 1e-6, "linen LM vs nnx")
   np.testing.assert_allclose(out.aux_loss, ref.aux_loss, rtol=1e-6)
+  # packed sequences pass through the wrapper as a keyword
+  cu = jnp.asarray([0, 5, 16], jnp.int32)
+  packed = jax.jit(lambda v, t, cu: lm.apply(v, t, cu_seqlens=cu))(variables, toks[:1], cu)
+  ref = nnx.jit(lambda m, t, cu: m(t, cu_seqlens=cu))(ref_model, toks[:1], cu)
+  assert_close(packed.logits, ref.logits, 1e-6, "linen packed LM vs nnx")
 
 
 def test_language_model_wrapper_decodes_with_a_cache():

@@ -4,6 +4,7 @@ SwiGLU, RMSNorm and the pre-norm block (shapes [B, T, D] throughout).
     from sse_jax.layers import SSE, SSEConfig
     layer = SSE(SSEConfig(hidden=256, num_heads=4), rngs=nnx.Rngs(0))
     out = layer(x)                 # MixerOutput(y, cache, aux_loss, usage)
+    out = layer(x_packed, cu_seqlens=cu)   # S sequences packed in x [1, T, D]
 """
 
 from sse_jax.layers.attention import Attention, AttentionConfig, KVCache
@@ -18,6 +19,7 @@ from sse_jax.layers.norm import RMSNorm
 from sse_jax.layers.params import LOGICAL_AXIS_RULES, Einsum
 from sse_jax.layers.rope import apply_rope
 from sse_jax.layers.router import Router, Routing, load_balance
+from sse_jax.layers import sequences
 from sse_jax.layers.short_conv import ShortConv
 from sse_jax.layers.sse import SSE, SSEConfig
 
@@ -26,5 +28,5 @@ __all__ = [
     "GLAConfig", "KVCache", "LOGICAL_AXIS_RULES", "LinearAttentionConfig", "LowRank",
     "MLPConfig", "MixerConfig", "MixerOutput", "REMAT_POLICIES", "RMSNorm",
     "RecurrentCache", "Router", "Routing", "SSE", "SSEConfig", "ShortConv", "SwiGLU",
-    "activate", "apply_rope", "load_balance", "make_mixer",
+    "activate", "apply_rope", "load_balance", "make_mixer", "sequences",
 ]

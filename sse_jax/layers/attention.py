@@ -23,6 +23,7 @@ from sse_jax.ops import checks
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.params import Einsum
 from sse_jax.layers.rope import apply_rope
+from sse_jax.layers import sequences
 from sse_jax.layers import short_conv
 from sse_jax.layers.short_conv import ShortConv
 
@@ -133,24 +134,34 @@ class Attention(nnx.Module):
     conv = short_conv.init_states((self.q_conv, self.k_conv, self.v_conv), batch)
     return KVCache(zeros, zeros, jnp.zeros((), jnp.int32), conv)
 
-  def __call__(self, x: jax.Array, cache: KVCache | None = None) -> MixerOutput:
+  def __call__(self, x: jax.Array, cache: KVCache | None = None, *,
+               cu_seqlens: jax.Array | None = None) -> MixerOutput:
     """Full causal attention (cache None), or attention over the cache after writing
     this call's T tokens at positions index .. index + T - 1 (prefill or decode).
     index + T > max_len is an error where index is concrete; under `jit` the caller
-    keeps index + T <= max_len (past it, the write would be clamped: wrong outputs)."""
+    keeps index + T <= max_len (past it, the write would be clamped: wrong outputs).
+
+    `cu_seqlens` int [S + 1] (B == 1, no cache): S packed sequences, each attending only
+    to itself, with RoPE positions from 0 at its start (see `sequences`). That passes
+    a [T, T] mask to the attention (with cuDNN, a [T, T] bias)."""
     cfg = self.config
     t = x.shape[1]
+    sequences.check("Attention", x, cu_seqlens, cache)
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
-    pos = start + jnp.arange(t, dtype=jnp.int32)
+    packed = None if cu_seqlens is None else sequences.positions(cu_seqlens, t)
+    pos = start + jnp.arange(t, dtype=jnp.int32) if packed is None else packed
     (q, k, v), conv = short_conv.apply_all(
         (self.q_conv, self.k_conv, self.v_conv), (self.q(x), self.k(x), self.v(x)),
-        None if cache is None else cache.conv)
+        None if cache is None else cache.conv, packed)
     q = apply_rope(q, pos, cfg.rope_base)
     k = apply_rope(k, pos, cfg.rope_base)
     if cache is None:
       window = None if cfg.window is None else (cfg.window - 1, 0)
+      mask = (None if cu_seqlens is None
+              else sequences.same_sequence(cu_seqlens, t)[None, None])  # [1, 1, T, T]
       attend = lambda impl: jax.nn.dot_product_attention(
-          q, k, v, is_causal=True, local_window_size=window, implementation=impl)
+          q, k, v, mask=mask, is_causal=True, local_window_size=window,
+          implementation=impl)
       impl = resolve_implementation(cfg.implementation, self.dtype, cfg.head)
       if cfg.implementation == "auto" and impl == "cudnn":
         try:  # cuDNN's support checks run at trace time: fall back to XLA if it declines

@@ -45,8 +45,8 @@ def make_mixer(config: MixerConfig, **kwargs) -> nnx.Module:
   return cls(config, **kwargs)
 
 
-def _forward(block: "Block", x: jax.Array) -> MixerOutput:
-  return block.forward(x, None)
+def _forward(block: "Block", x: jax.Array, cu_seqlens) -> MixerOutput:
+  return block.forward(x, None, cu_seqlens)
 
 
 class Block(nnx.Module):
@@ -68,16 +68,17 @@ class Block(nnx.Module):
   def init_cache(self, batch: int, max_len: int):
     return self.mixer.init_cache(batch, max_len)
 
-  def forward(self, x: jax.Array, cache=None) -> MixerOutput:
-    out = self.mixer(self.mixer_norm(x), cache)
+  def forward(self, x: jax.Array, cache=None, cu_seqlens=None) -> MixerOutput:
+    out = self.mixer(self.mixer_norm(x), cache, cu_seqlens=cu_seqlens)
     h = x + out.y
     return out._replace(y=h + self.mlp(self.mlp_norm(h)))
 
-  def __call__(self, x: jax.Array, cache=None) -> MixerOutput:
+  def __call__(self, x: jax.Array, cache=None, *, cu_seqlens=None) -> MixerOutput:
+    """cu_seqlens: packed sequences (B == 1, no cache), see `sequences`."""
     if self.remat is None or cache is not None:
-      return self.forward(x, cache)
+      return self.forward(x, cache, cu_seqlens)
     policy = getattr(jax.checkpoint_policies, self.remat)
     # graph=False treats the block as a pytree, so remat also works when the caller
     # closes over the model in a plain jax.grad (graph mode would refuse to update
     # Variables created at an outer trace level).
-    return nnx.remat(_forward, policy=policy, graph=False)(self, x)
+    return nnx.remat(_forward, policy=policy, graph=False)(self, x, cu_seqlens)

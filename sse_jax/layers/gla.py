@@ -24,7 +24,7 @@ from flax import nnx
 from sse_jax import ops
 from sse_jax.layers import features
 from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead, QKV
-from sse_jax.layers.linear import RecurrentCache
+from sse_jax.layers.linear import RecurrentCache, conv_positions
 from sse_jax.layers.lowrank import DecayGate
 
 
@@ -37,8 +37,10 @@ class GLAConfig(LinearAttentionConfig):
     return tuple(i.value for i in ops.GLA_IMPLS)
 
 
-def run_gla(q, k, v, g, state, *, impl: str, chunk_size: int, decode: bool):
-  """ops.gla over [B, T, H, D] inputs, or one decode step when `decode` (T == 1).
+def run_gla(q, k, v, g, state, *, impl: str, chunk_size: int, decode: bool,
+            cu_seqlens=None):
+  """ops.gla over [B, T, H, D] inputs (packed sequences with `cu_seqlens`), or one
+  decode step when `decode` (T == 1).
 
   `state` None: a fresh sequence, no final state returned. Returns (o, state or None).
   """
@@ -46,7 +48,7 @@ def run_gla(q, k, v, g, state, *, impl: str, chunk_size: int, decode: bool):
     o, state = ops.gla_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], state)
     return o[:, None], state
   return ops.gla(q, k, v, g, initial_state=state, output_final_state=state is not None,
-                 impl=impl, chunk_size=chunk_size)
+                 impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
 
 class GLA(LinearMixer):
@@ -70,15 +72,16 @@ class GLA(LinearMixer):
     c = self.config
     return jnp.zeros((batch, c.num_heads, c.head_k, c.head_v), jnp.float32)
 
-  def attend(self, x: jax.Array, cache: RecurrentCache | None = None):
+  def attend(self, x: jax.Array, cache: RecurrentCache | None = None, cu_seqlens=None):
     """x [B, T, D] -> (o [B, T, H, Dv] before the output head, the updated cache or
     None, None: no routing)."""
     c = self.config
-    q, k, v, conv = self.qkv(x, None if cache is None else cache.conv)
+    q, k, v, conv = self.qkv(x, None if cache is None else cache.conv,
+                             conv_positions(cu_seqlens, x.shape[1]))
     q = features.activate(c.query_activation, q)
     k = features.activate(c.key_activation, k)
     v = features.activate(c.value_activation, v)
     state = None if cache is None else cache.state
     o, state = run_gla(q, k, v, self.decay(x), state, impl=c.impl, chunk_size=c.chunk_size,
-                       decode=cache is not None and x.shape[1] == 1)
+                       decode=cache is not None and x.shape[1] == 1, cu_seqlens=cu_seqlens)
     return o, (None if cache is None else RecurrentCache(state, conv)), None

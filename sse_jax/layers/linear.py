@@ -19,6 +19,7 @@ from sse_jax.layers.features import ACTIVATIONS
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.norm import RMSNorm
 from sse_jax.layers.params import Einsum
+from sse_jax.layers import sequences
 from sse_jax.layers import short_conv
 from sse_jax.layers.short_conv import ShortConv
 
@@ -134,11 +135,12 @@ class QKV(nnx.Module):
   def init_conv_state(self, batch: int):
     return short_conv.init_states((self.q_conv, self.k_conv, self.v_conv), batch)
 
-  def __call__(self, x: jax.Array, conv_state=None):
-    """Returns (q, k, v, new conv state or None)."""
+  def __call__(self, x: jax.Array, conv_state=None, positions=None):
+    """Returns (q, k, v, new conv state or None); `positions` int [T]: each token's
+    position within its packed sequence (the short conv restarts at 0), or None."""
     outs = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
     ys, state = short_conv.apply_all((self.q_conv, self.k_conv, self.v_conv), outs,
-                                     conv_state)
+                                     conv_state, positions)
     return (*ys, state)
 
 
@@ -165,18 +167,26 @@ class OutputHead(nnx.Module):
     return self.proj(o)
 
 
+def conv_positions(cu_seqlens, length: int):
+  """The short conv's packed-sequence positions for `QKV`, or None without packing."""
+  return None if cu_seqlens is None else sequences.positions(cu_seqlens, length)
+
+
 class LinearMixer(nnx.Module):
   """Skeleton of the GLA / SSE mixers: y = out(attend(x)).
 
-  Subclasses define `attend(x, cache) -> (o [B, T, H, Dv], new cache or None, routing
-  or None)` and `init_cache(batch)`.
+  Subclasses define `attend(x, cache, cu_seqlens) -> (o [B, T, H, Dv], new cache or
+  None, routing or None)` and `init_cache(batch)`.
   """
 
-  def __call__(self, x: jax.Array, cache: RecurrentCache | None = None) -> MixerOutput:
+  def __call__(self, x: jax.Array, cache: RecurrentCache | None = None, *,
+               cu_seqlens: jax.Array | None = None) -> MixerOutput:
     """x [B, T, D] -> MixerOutput. Without a cache: the full sequence from a zero state.
     With a cache: continue from it (chunked prefill for T > 1, one decode step for
-    T == 1) and return the updated cache."""
-    o, cache, routing = self.attend(x, cache)
+    T == 1) and return the updated cache. `cu_seqlens` int [S + 1] (B == 1, no cache):
+    S packed sequences, each computed as if alone (see `sequences`)."""
+    sequences.check(type(self).__name__, x, cu_seqlens, cache)
+    o, cache, routing = self.attend(x, cache, cu_seqlens)
     y = self.out(o, x)
     if routing is None:
       return MixerOutput(y, cache)

@@ -32,9 +32,11 @@ def gla_impl(sse_impl: str) -> str:
 
 
 def per_partition_sse(q, k, v, g, g0, routing: Routing, state, *, num_partitions: int,
-                      gate: str, shared: bool, impl: str, chunk_size: int, decode: bool):
+                      gate: str, shared: bool, impl: str, chunk_size: int, decode: bool,
+                      cu_seqlens=None):
   """q, k [B, T, P, H, Dk], v [B, T, P, H, Dv] (slot N = the shared partition when
-  `shared`), g, g0 [B, T, H, Dk]; state [B, P H, Dk, Dv] or None.
+  `shared`), g, g0 [B, T, H, Dk]; state [B, P H, Dk, Dv] or None; cu_seqlens: packed
+  sequences (B == 1) or None.
 
   Returns (o [B, T, H, Dv], state [B, P H, Dk, Dv] or None). `impl` (an SSE impl) is
   mapped to ops.gla's by `gla_impl`: "scan" -> "scan", "pallas_*" -> "pallas_chunk",
@@ -55,6 +57,6 @@ def per_partition_sse(q, k, v, g, g0, routing: Routing, state, *, num_partitions
   col = lambda w: w[..., None, None]
   fold = lambda z: z.reshape(b, t, p * h, z.shape[-1])
   o, state = run_gla(fold(q * col(rw)), fold(k * col(ww)), fold(v), fold(gs * col(written)),
-                     state, impl=gla_impl(impl),
-                     chunk_size=chunk_size, decode=decode)
+                     state, impl=gla_impl(impl), chunk_size=chunk_size, decode=decode,
+                     cu_seqlens=cu_seqlens)
   return o.reshape(b, t, p, h, -1).sum(axis=2).astype(v.dtype), state

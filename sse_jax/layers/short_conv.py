@@ -3,7 +3,9 @@
     y_t = silu( sum_{j=0}^{w-1} W_j * x_{t-w+1+j} ),   per feature channel,
 
 where inputs before the first token come from the conv state (the last w - 1 inputs
-of the previous call; zeros at the start of a sequence). Applied to the q / k / v
+of the previous call; zeros at the start of a sequence). With `positions` (packed
+sequences, see `sequences`), a term whose input lies before its token's sequence start
+(position p < w - 1 - j) is dropped, as if that sequence had started from zeros. Applied to the q / k / v
 projections of the linear-attention mixers (official `use_short_conv`, width 4).
 """
 
@@ -38,7 +40,10 @@ class ShortConv(nnx.Module):
   def init_state(self, batch: int) -> jax.Array:
     return jnp.zeros((batch, self.width - 1) + self.features, self.dtype)
 
-  def __call__(self, x: jax.Array, state: jax.Array | None = None):
+  def __call__(self, x: jax.Array, state: jax.Array | None = None,
+               positions: jax.Array | None = None):
+    """x [B, T, *F], state [B, w - 1, *F] or None (zeros), positions int [T] or None:
+    each token's position within its packed sequence (`state` must then be None)."""
     b, t = x.shape[:2]
     if state is None:
       state = self.init_state(b)
@@ -46,7 +51,12 @@ class ShortConv(nnx.Module):
     w = self.kernel[...].astype(self.dtype)
     # A width-w depthwise conv is w shifted multiply-adds: cheaper than a grouped
     # convolution for w ~ 4, and the same code serves prefill and decode (T = 1).
-    y = sum(w[j] * xs[:, j:j + t] for j in range(self.width))
+    terms = [w[j] * xs[:, j:j + t] for j in range(self.width)]
+    if positions is not None:
+      # term j reads the input w - 1 - j steps back: in its own sequence only
+      pos = positions.reshape((1, t) + (1,) * len(self.features))
+      terms = [jnp.where(pos >= self.width - 1 - j, term, 0) for j, term in enumerate(terms)]
+    y = sum(terms)
     return jax.nn.silu(y), xs[:, t:]
 
 
@@ -57,11 +67,13 @@ def init_states(convs: Sequence[ShortConv | None], batch: int):
   return tuple(c.init_state(batch) for c in convs)
 
 
-def apply_all(convs: Sequence[ShortConv | None], xs: Sequence[jax.Array], states=None):
-  """(ys, new states) of the q / k / v convs over xs, from `states` (None: zeros);
-  without short conv (convs None), (xs, None)."""
+def apply_all(convs: Sequence[ShortConv | None], xs: Sequence[jax.Array], states=None,
+              positions: jax.Array | None = None):
+  """(ys, new states) of the q / k / v convs over xs, from `states` (None: zeros), with
+  packed-sequence `positions` (see `ShortConv`); without short conv (convs None),
+  (xs, None)."""
   if convs[0] is None:
     return tuple(xs), None
   states = states if states is not None else (None,) * len(xs)
-  pairs = [c(x, s) for c, x, s in zip(convs, xs, states)]
+  pairs = [c(x, s, positions) for c, x, s in zip(convs, xs, states)]
   return tuple(y for y, _ in pairs), tuple(s for _, s in pairs)

@@ -66,7 +66,7 @@ from sse_jax import ops
 from sse_jax.layers import features
 from sse_jax.layers import validation as check
 from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead, QKV
-from sse_jax.layers.linear import RecurrentCache
+from sse_jax.layers.linear import RecurrentCache, conv_positions
 from sse_jax.layers.lowrank import DecayGate, LowRank
 from sse_jax.layers.per_partition import per_partition_sse
 from sse_jax.layers.router import Router
@@ -170,31 +170,33 @@ class SSE(LinearMixer):
       return routed
     return routed, jnp.zeros((batch,) + head, jnp.float32)
 
-  def attend(self, x: jax.Array, cache: RecurrentCache | None = None):
+  def attend(self, x: jax.Array, cache: RecurrentCache | None = None, cu_seqlens=None):
     """x [B, T, D] -> (o [B, T, H, Dv] before the output head, the updated cache or
-    None, the router's `Routing`)."""
+    None, the router's `Routing`); cu_seqlens: packed sequences (B == 1) or None."""
     c = self.config
     decode = cache is not None and x.shape[1] == 1
     state = None if cache is None else cache.state
-    q, k, v, conv = self.qkv(x, None if cache is None else cache.conv)
+    q, k, v, conv = self.qkv(x, None if cache is None else cache.conv,
+                             conv_positions(cu_seqlens, x.shape[1]))
     routing = self.router(x)
     g = self.decay(x)
     g0 = g if self.shared_decay is None else self.shared_decay(x)
     if c.share_partition_params:
-      o, state = self._shared_params(x, q, k, v, g, g0, routing, state, decode)
+      o, state = self._shared_params(x, q, k, v, g, g0, routing, state, decode, cu_seqlens)
     else:
       q, k = self._activate_qk(q, k)
       o, state = per_partition_sse(
           q, k, features.activate(c.value_activation, v), g, g0, routing, state,
           num_partitions=c.num_partitions, gate=c.gate_placement,
-          shared=c.shared_partition, impl=c.impl, chunk_size=c.chunk_size, decode=decode)
+          shared=c.shared_partition, impl=c.impl, chunk_size=c.chunk_size, decode=decode,
+          cu_seqlens=cu_seqlens)
     return o, (None if cache is None else RecurrentCache(state, conv)), routing
 
   def _activate_qk(self, q, k):
     c = self.config
     return features.activate(c.query_activation, q), features.activate(c.key_activation, k)
 
-  def _shared_params(self, x, q, k, v, g, g0, routing, state, decode):
+  def _shared_params(self, x, q, k, v, g, g0, routing, state, decode, cu_seqlens):
     """The paper's layer: shared W_q/W_k/W_v, one ops.sse call (or decode step)."""
     c = self.config
     v = features.activate(c.value_activation, v)
@@ -222,4 +224,5 @@ class SSE(LinearMixer):
                    num_partitions=c.num_partitions, gate=c.gate_placement,
                    initial_state=state, output_final_state=state is not None,
                    impl=c.impl, chunk_size=c.chunk_size, shared=shared,
-                   read_weights=r.read_weights, read_indices=r.read_indices)
+                   read_weights=r.read_weights, read_indices=r.read_indices,
+                   cu_seqlens=cu_seqlens)

@@ -9,7 +9,8 @@ RMSNorm -> logits in float32.
 Training: `out = model(tokens)`; loss = cross_entropy(out.logits, targets) +
 out.aux_loss. Decoding: `cache = model.init_cache(B, max_len)`, then
 `out = model(tokens, cache=cache)` (a prompt: chunked prefill; one token: a decode
-step) returns the updated cache in `out.cache`; see `sse_jax.generate`.
+step) returns the updated cache in `out.cache`; see `sse_jax.generate`. Packed
+sequences: `model(tokens[None], cu_seqlens=cu)` for S sequences laid end to end.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sse_jax.layers import params
+from sse_jax.layers import sequences
 from sse_jax.ops import checks
 from sse_jax.layers.block import Block
 from sse_jax.layers.norm import RMSNorm
@@ -75,8 +77,12 @@ class LanguageModel(nnx.Module):
     (attention, `max_len` positions)."""
     return tuple(block.init_cache(batch, max_len) for block in self.blocks)
 
-  def __call__(self, tokens: jax.Array, *, cache: tuple[Any, ...] | None = None
-               ) -> ModelOutput:
+  def __call__(self, tokens: jax.Array, *, cache: tuple[Any, ...] | None = None,
+               cu_seqlens: jax.Array | None = None) -> ModelOutput:
+    """cu_seqlens int [S + 1] (tokens [1, T], no cache): S sequences packed end to end,
+    each computed as if alone (`sse_jax.layers.sequences`); the router statistics and
+    the load-balance loss are over all T tokens."""
+    sequences.check("LanguageModel", tokens, cu_seqlens, cache)
     vocab = self.embed.shape[0]
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
@@ -90,7 +96,7 @@ class LanguageModel(nnx.Module):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
     caches, usage, aux = [], [], []
     for i, block in enumerate(self.blocks):
-      out = block(x, None if cache is None else cache[i])
+      out = block(x, None if cache is None else cache[i], cu_seqlens=cu_seqlens)
       x = out.y
       caches.append(out.cache)
       if out.aux_loss is not None:
