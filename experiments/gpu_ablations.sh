@@ -38,9 +38,9 @@
 # group is bounded by its one host thread making one MQAR batch per seed per step (~18
 # ms each): 3 seeds of N4_k1 made 18-19 steps/s, one run alone 53 (see
 # results/gpu_long_probe/README.md). EXTRA="--config.train.data_workers=4" makes each
-# stream's batches in 4 worker processes instead (the same batches; on a 2-core CPU two
-# workers already cut the time per 128-row fig7 batch from ~14.5 to ~8.5 ms; not yet
-# measured on the GPU machine).
+# stream's batches in 4 worker processes instead (the same batches): on the H200 machine
+# (16 cores) N4_k1 went from 13 to 87 steps/s with 3 seeds stacked, and from 55 to 193
+# alone (results/gpu_long_probe/README.md); the GPU is then the bound.
 set -u
 cd "$(dirname "$0")/.."
 W=${1:-workdir}; STEPS=${2:-2000}; LIMIT=${3:-0}; SEEDS=${4:-0}; LRS=${6:-"(0.003,)"}

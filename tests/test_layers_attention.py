@@ -109,10 +109,11 @@ def test_auto_implementation_is_xla_off_gpu_or_in_float32():
   assert resolve_implementation("auto", jnp.bfloat16, 128) == want
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_cudnn_attention_matches_xla_on_gpu(window):
+@pytest.mark.parametrize("window,packed", [(None, False), (5, False), (None, True)])
+def test_cudnn_attention_matches_xla_on_gpu(window, packed):
   """The path the GPU models take (bf16, cuDNN flash attention) against the XLA one,
-  forward and gradients, at the ablation models' head dim (64)."""
+  forward and gradients, at the ablation models' head dim (64); `packed`: two
+  sequences in one row (cu_seqlens: a [T, T] mask, a bias for cuDNN)."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (cuDNN); off the GPU both names resolve to the XLA path")
   cfgs = {impl: AttentionConfig(hidden=128, num_heads=2, window=window, implementation=impl)
@@ -120,11 +121,13 @@ def test_cudnn_attention_matches_xla_on_gpu(window):
   layers = {impl: random_module(lambda c=c: Attention(c, rngs=nnx.Rngs(0),
                                                       dtype=jnp.bfloat16), seed=4)
             for impl, c in cfgs.items()}
-  x = jax.random.normal(jax.random.key(1), (2, 128, 128), jnp.bfloat16)
-  cot = jax.random.normal(jax.random.key(2), (2, 128, 128), jnp.float32)
+  b = 1 if packed else 2
+  cu = jnp.asarray([0, 50, 128], jnp.int32) if packed else None
+  x = jax.random.normal(jax.random.key(1), (b, 128, 128), jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(2), (b, 128, 128), jnp.float32)
 
   def value_and_grads(layer):
-    loss = lambda m, x: jnp.sum(m(x).y.astype(jnp.float32) * cot)
+    loss = lambda m, x: jnp.sum(m(x, cu_seqlens=cu).y.astype(jnp.float32) * cot)
     return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(layer, x)
 
   (got, (g_params, g_x)), (want, (w_params, w_x)) = (value_and_grads(layers[i])
