@@ -109,7 +109,8 @@ def test_auto_implementation_is_xla_off_gpu_or_in_float32():
   assert resolve_implementation("auto", jnp.bfloat16, 128) == want
 
 
-@pytest.mark.parametrize("window,packed", [(None, False), (5, False), (None, True)])
+@pytest.mark.parametrize("window,packed", [(None, False), (5, False), (None, True),
+                                           (5, True)])
 def test_cudnn_attention_matches_xla_on_gpu(window, packed):
   """The path the GPU models take (bf16, cuDNN flash attention) against the XLA one,
   forward and gradients, at the ablation models' head dim (64); `packed`: two

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sse_jax.layers import (Attention, AttentionConfig, GLA, GLAConfig, SSE, SSEConfig,
-                            sequences)
+from sse_jax.layers import (Attention, AttentionConfig, Block, GLA, GLAConfig, MLPConfig,
+                            SSE, SSEConfig, attention, sequences)
 from sse_jax.layers.testing import random_module, router_margin
 from sse_jax.model import LanguageModel
 from sse_jax.model.presets import tiny
@@ -135,6 +135,27 @@ def test_bad_cu_seqlens_are_refused(cu, batch, message):
   model = LanguageModel(tiny("sse_h"), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=message):
     model(jnp.zeros((batch, 20), jnp.int32), cu_seqlens=jnp.asarray(cu))
+  # a rematerialised block passes cu_seqlens on as a tracer: it checks them first
+  block = Block(GLAConfig(hidden=D, num_heads=H), MLPConfig(D, 2 * D),
+                remat="nothing_saveable", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=message):
+    block(jnp.zeros((batch, 20, D)), cu_seqlens=jnp.asarray(cu))
+
+
+def test_packed_attention_restarts_rope_positions(monkeypatch):
+  """RoPE scores depend only on q - k distances, so the outputs cannot show whether
+  positions restart: record the positions Attention rotates with instead."""
+  seen, original = [], attention.apply_rope
+
+  def spy(x, positions, base):
+    seen.append(np.asarray(positions))
+    return original(x, positions, base)
+  monkeypatch.setattr(attention, "apply_rope", spy)
+  layer = Attention(AttentionConfig(hidden=D, num_heads=H), rngs=nnx.Rngs(0))
+  layer(jnp.zeros((1, T, D)), cu_seqlens=jnp.asarray(CU))
+  assert len(seen) == 2  # q and k
+  for p in seen:
+    np.testing.assert_array_equal(np.broadcast_to(p, (T,)), np.r_[0, np.tile(np.arange(13), 3)])
 
 
 @pytest.mark.parametrize("cls,config", [

@@ -21,6 +21,7 @@ from sse_jax.layers.gla import GLA, GLAConfig
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.mlp import MLPConfig, SwiGLU
 from sse_jax.layers.norm import RMSNorm
+from sse_jax.layers import sequences
 from sse_jax.layers.sse import SSE, SSEConfig
 
 MixerConfig = Union[AttentionConfig, GLAConfig, SSEConfig]
@@ -75,6 +76,8 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array, cache=None, *, cu_seqlens=None) -> MixerOutput:
     """cu_seqlens: packed sequences (B == 1, no cache), see `sequences`."""
+    # checked here: under remat the mixer sees cu_seqlens as a tracer (no value checks)
+    sequences.check("Block", x, cu_seqlens, cache)
     if self.remat is None or cache is not None:
       return self.forward(x, cache, cu_seqlens)
     policy = getattr(jax.checkpoint_policies, self.remat)
