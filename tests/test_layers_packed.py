@@ -24,6 +24,7 @@ T, D, H = 40, 32, 2
 # lengths 1, 0, 13, 13, 13: a one-token sequence, an empty one, ends inside 16-row
 # chunks, T not a multiple of 16; the three of length 13 run alone as one batch [3, 13]
 CU = np.array([0, 1, 1, 14, 27, 40], np.int32)
+POSITIONS = np.r_[0, np.tile(np.arange(13), 3)]  # each token's position in its sequence
 SSE_BASE = SSEConfig(hidden=D, num_heads=H, chunk_size=16, lora_rank=8, short_conv=4,
                      num_partitions=4, top_k=2)
 
@@ -115,8 +116,7 @@ def test_packed_model_logits_match_each_sequence_alone():
 
 
 def test_positions_and_mask():
-  np.testing.assert_array_equal(sequences.positions(jnp.asarray(CU), T),
-                                np.r_[0, np.tile(np.arange(13), 3)])
+  np.testing.assert_array_equal(sequences.positions(jnp.asarray(CU), T), POSITIONS)
   same = np.asarray(sequences.same_sequence(jnp.asarray(CU), T))
   assert same[0, 0] and not same[0, 1] and same[1, 13] and not same[13, 14]
 
@@ -155,7 +155,7 @@ def test_packed_attention_restarts_rope_positions(monkeypatch):
   layer(jnp.zeros((1, T, D)), cu_seqlens=jnp.asarray(CU))
   assert len(seen) == 2  # q and k
   for p in seen:
-    np.testing.assert_array_equal(np.broadcast_to(p, (T,)), np.r_[0, np.tile(np.arange(13), 3)])
+    np.testing.assert_array_equal(np.broadcast_to(p, (T,)), POSITIONS)
 
 
 @pytest.mark.parametrize("cls,config", [

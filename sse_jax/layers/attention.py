@@ -150,7 +150,7 @@ class Attention(nnx.Module):
     t = x.shape[1]
     sequences.check("Attention", x, cu_seqlens, cache)
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
-    packed = None if cu_seqlens is None else sequences.positions(cu_seqlens, t)
+    packed = sequences.positions_or_none(cu_seqlens, t)
     pos = start + jnp.arange(t, dtype=jnp.int32) if packed is None else packed
     (q, k, v), conv = short_conv.apply_all(
         (self.q_conv, self.k_conv, self.v_conv), (self.q(x), self.k(x), self.v(x)),

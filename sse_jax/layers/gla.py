@@ -23,8 +23,9 @@ from flax import nnx
 
 from sse_jax import ops
 from sse_jax.layers import features
+from sse_jax.layers import sequences
 from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead, QKV
-from sse_jax.layers.linear import RecurrentCache, conv_positions
+from sse_jax.layers.linear import RecurrentCache
 from sse_jax.layers.lowrank import DecayGate
 
 
@@ -77,7 +78,7 @@ class GLA(LinearMixer):
     None, None: no routing)."""
     c = self.config
     q, k, v, conv = self.qkv(x, None if cache is None else cache.conv,
-                             conv_positions(cu_seqlens, x.shape[1]))
+                             sequences.positions_or_none(cu_seqlens, x.shape[1]))
     q = features.activate(c.query_activation, q)
     k = features.activate(c.key_activation, k)
     v = features.activate(c.value_activation, v)

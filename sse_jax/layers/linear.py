@@ -167,11 +167,6 @@ class OutputHead(nnx.Module):
     return self.proj(o)
 
 
-def conv_positions(cu_seqlens, length: int):
-  """The short conv's packed-sequence positions for `QKV`, or None without packing."""
-  return None if cu_seqlens is None else sequences.positions(cu_seqlens, length)
-
-
 class LinearMixer(nnx.Module):
   """Skeleton of the GLA / SSE mixers: y = out(attend(x)).
 

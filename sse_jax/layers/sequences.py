@@ -36,6 +36,11 @@ def positions(cu_seqlens: jax.Array, length: int) -> jax.Array:
   return jnp.arange(length, dtype=jnp.int32) - cu[seq]
 
 
+def positions_or_none(cu_seqlens, length: int):
+  """`positions`, or None without packing (cu_seqlens None)."""
+  return None if cu_seqlens is None else positions(cu_seqlens, length)
+
+
 def same_sequence(cu_seqlens: jax.Array, length: int) -> jax.Array:
   """bool [T, T]: whether tokens t and u belong to the same sequence."""
   seq, _ = reference.sequence_ids(jnp.asarray(cu_seqlens, jnp.int32), length)

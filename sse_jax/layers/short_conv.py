@@ -5,8 +5,8 @@
 where inputs before the first token come from the conv state (the last w - 1 inputs
 of the previous call; zeros at the start of a sequence). With `positions` (packed
 sequences, see `sequences`), a term whose input lies before its token's sequence start
-(position p < w - 1 - j) is dropped, as if that sequence had started from zeros. Applied to the q / k / v
-projections of the linear-attention mixers (official `use_short_conv`, width 4).
+(position p < w - 1 - j) is dropped, as if that sequence had started from zeros.
+Applied to the q / k / v projections of the linear-attention mixers (official `use_short_conv`, width 4).
 """
 
 from __future__ import annotations

@@ -64,9 +64,10 @@ from flax import nnx
 
 from sse_jax import ops
 from sse_jax.layers import features
+from sse_jax.layers import sequences
 from sse_jax.layers import validation as check
 from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead, QKV
-from sse_jax.layers.linear import RecurrentCache, conv_positions
+from sse_jax.layers.linear import RecurrentCache
 from sse_jax.layers.lowrank import DecayGate, LowRank
 from sse_jax.layers.per_partition import per_partition_sse
 from sse_jax.layers.router import Router
@@ -177,7 +178,7 @@ class SSE(LinearMixer):
     decode = cache is not None and x.shape[1] == 1
     state = None if cache is None else cache.state
     q, k, v, conv = self.qkv(x, None if cache is None else cache.conv,
-                             conv_positions(cu_seqlens, x.shape[1]))
+                             sequences.positions_or_none(cu_seqlens, x.shape[1]))
     routing = self.router(x)
     g = self.decay(x)
     g0 = g if self.shared_decay is None else self.shared_decay(x)
