@@ -5,8 +5,9 @@ r"""Overlays the learning curves of several training runs (repeats, seeds, varia
 
 Each run directory is one `sse_jax.train` workdir (its metrics.jsonl is read, finished
 or not). Writes <out>/compare.json (the curves), <out>/compare.md (each run's last
-evaluation: step and the --metrics) and <out>/compare.png, one panel per metric, with
-the runs --draw names (all by default).
+evaluation: step and the --metrics; with --reach=eval_accuracy:0.5 also the first step at
+which that metric reached 0.5) and <out>/compare.png, one panel per metric, with the runs
+--draw names (all by default).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ flags.DEFINE_list("metrics", ["eval_accuracy", "eval_loss"], "History metrics to
 flags.DEFINE_string("out", None, "Output directory.")
 flags.DEFINE_string("title", "", "Figure and table title.")
 flags.DEFINE_list("draw", [], "Labels of the runs to draw (default: all).")
+flags.DEFINE_list("reach", [], "metric:threshold pairs: the table adds, per run, the first "
+                  "evaluated step with metric >= threshold ('never' if none), e.g. "
+                  "eval_accuracy:0.5 for when a run left the MQAR plateau.")
 
 
 def read_curves(run_dir: pathlib.Path) -> list[dict]:
@@ -34,18 +38,44 @@ def read_curves(run_dir: pathlib.Path) -> list[dict]:
   return [{k: v for k, v in h.items() if k != "router"} for h in logs.history(records)]
 
 
-def last_evaluations(runs: dict[str, list[dict]], metrics: list[str], title: str) -> str:
-  """Markdown table: per run, the step and the metrics of its last evaluation."""
+def parse_reach(items: list[str]) -> list[tuple[str, float]]:
+  """--reach items "metric:threshold" -> [(metric, threshold)]."""
+  out = []
+  for item in items:
+    name, sep, value = item.rpartition(":")
+    try:
+      out.append((name, float(value)))
+    except ValueError:
+      sep = ""
+    if not sep or not name:
+      raise app.UsageError(f"--reach item {item!r}: expected metric:threshold")
+  return out
+
+
+def first_reached(curve: list[dict], metric: str, threshold: float) -> int | None:
+  """The first step of the curve with metric >= threshold, None if never."""
+  return next((h["step"] for h in curve
+               if h.get(metric) is not None and h[metric] >= threshold), None)
+
+
+def last_evaluations(runs: dict[str, list[dict]], metrics: list[str], title: str,
+                     reach: tuple[tuple[str, float], ...] = ()) -> str:
+  """Markdown table: per run, the step and the metrics of its last evaluation, and the
+  first step at which each (metric, threshold) of `reach` was reached."""
+  heads = [m.replace("_", " ") for m in metrics]
+  heads += [f"first step with {m.replace('_', ' ')} >= {t:g}" for m, t in reach]
   lines = [f"# {title}\n" if title else "",
-           "| run | step | " + " | ".join(m.replace("_", " ") for m in metrics) + " |",
-           "|---|---|" + "---|" * len(metrics)]
+           "| run | step | " + " | ".join(heads) + " |",
+           "|---|---|" + "---|" * len(heads)]
   for label, curve in runs.items():
+    firsts = [first_reached(curve, m, t) for m, t in reach]
+    firsts = ["never" if f is None else str(f) for f in firsts]
     last = [h for h in curve if any(h.get(m) is not None for m in metrics)][-1:]
     if not last:
-      lines.append(f"| {label} | - |" + " - |" * len(metrics))
+      lines.append(f"| {label} | - |" + " - |" * len(metrics) + "".join(f" {f} |" for f in firsts))
       continue
     h = last[0]
-    cells = [f"{h[m]:.4f}" if h.get(m) is not None else "-" for m in metrics]
+    cells = [f"{h[m]:.4f}" if h.get(m) is not None else "-" for m in metrics] + firsts
     lines.append(f"| {label} | {h['step']} | " + " | ".join(cells) + " |")
   return "\n".join(lines).lstrip("\n") + "\n"
 
@@ -54,6 +84,7 @@ def main(argv):
   del argv
   if not FLAGS.runs or not FLAGS.out:
     raise app.UsageError("--runs and --out are required")
+  reach = parse_reach(FLAGS.reach)
   runs = {}
   for item in FLAGS.runs:
     label, sep, path = item.partition("=")
@@ -66,7 +97,8 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--draw: no runs labelled {unknown}; labels: {list(runs)}")
   (out / "compare.json").write_text(json.dumps(dict(title=FLAGS.title, runs=runs), indent=1))
-  (out / "compare.md").write_text(last_evaluations(runs, FLAGS.metrics, FLAGS.title))
+  (out / "compare.md").write_text(last_evaluations(runs, FLAGS.metrics, FLAGS.title,
+                                                          tuple(reach)))
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

@@ -105,7 +105,8 @@ def test_compare_runs_overlays_curves(tmp_path):
     runs.append(f"{name} run={run}")
   out = tmp_path / "out"
   proc = subprocess.run([sys.executable, "-m", "experiments.compare_runs", f"--out={out}",
-                         "--runs=" + ",".join(runs), "--draw=b run"], capture_output=True,
+                         "--runs=" + ",".join(runs), "--draw=b run",
+                         "--reach=eval_accuracy:0.3,eval_accuracy:0.5"], capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   curves = json.loads((out / "compare.json").read_text())["runs"]
@@ -114,8 +115,10 @@ def test_compare_runs_overlays_curves(tmp_path):
   assert (out / "compare.png").stat().st_size > 0
   # The table holds every run's last evaluation, drawn or not.
   table = (out / "compare.md").read_text()
-  assert "| a run | 20 | 0.2500 | 1.0000 |" in table
-  assert "| b run | 20 | 0.7500 | 1.0000 |" in table
+  # ... and the first evaluated step at or above each --reach threshold.
+  assert "| a run | 20 | 0.2500 | 1.0000 | never | never |" in table
+  assert "| b run | 20 | 0.7500 | 1.0000 | 10 | 20 |" in table
+  assert "first step with eval accuracy >= 0.3 |" in table
   bad = subprocess.run([sys.executable, "-m", "experiments.compare_runs", f"--out={out}",
                         "--runs=" + ",".join(runs), "--draw=c run"], capture_output=True,
                        text=True, timeout=300)
