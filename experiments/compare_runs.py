@@ -42,13 +42,14 @@ def parse_reach(items: list[str]) -> list[tuple[str, float]]:
   """--reach items "metric:threshold" -> [(metric, threshold)]."""
   out = []
   for item in items:
-    name, sep, value = item.rpartition(":")
+    name, _, value = item.rpartition(":")
     try:
-      out.append((name, float(value)))
+      threshold = float(value)
     except ValueError:
-      sep = ""
-    if not sep or not name:
+      threshold = None
+    if not name or threshold is None:
       raise app.UsageError(f"--reach item {item!r}: expected metric:threshold")
+    out.append((name, threshold))
   return out
 
 
@@ -59,7 +60,7 @@ def first_reached(curve: list[dict], metric: str, threshold: float) -> int | Non
 
 
 def last_evaluations(runs: dict[str, list[dict]], metrics: list[str], title: str,
-                     reach: tuple[tuple[str, float], ...] = ()) -> str:
+                     reach: list[tuple[str, float]] = ()) -> str:
   """Markdown table: per run, the step and the metrics of its last evaluation, and the
   first step at which each (metric, threshold) of `reach` was reached."""
   heads = [m.replace("_", " ") for m in metrics]
@@ -71,12 +72,9 @@ def last_evaluations(runs: dict[str, list[dict]], metrics: list[str], title: str
     firsts = [first_reached(curve, m, t) for m, t in reach]
     firsts = ["never" if f is None else str(f) for f in firsts]
     last = [h for h in curve if any(h.get(m) is not None for m in metrics)][-1:]
-    if not last:
-      lines.append(f"| {label} | - |" + " - |" * len(metrics) + "".join(f" {f} |" for f in firsts))
-      continue
-    h = last[0]
+    h = last[0] if last else {}  # a run with no evaluation yet: "-" cells
     cells = [f"{h[m]:.4f}" if h.get(m) is not None else "-" for m in metrics] + firsts
-    lines.append(f"| {label} | {h['step']} | " + " | ".join(cells) + " |")
+    lines.append(f"| {label} | {h.get('step', '-')} | " + " | ".join(cells) + " |")
   return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -97,8 +95,7 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--draw: no runs labelled {unknown}; labels: {list(runs)}")
   (out / "compare.json").write_text(json.dumps(dict(title=FLAGS.title, runs=runs), indent=1))
-  (out / "compare.md").write_text(last_evaluations(runs, FLAGS.metrics, FLAGS.title,
-                                                          tuple(reach)))
+  (out / "compare.md").write_text(last_evaluations(runs, FLAGS.metrics, FLAGS.title, reach))
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

@@ -27,7 +27,9 @@ def _xla_knows(flag: str) -> bool:
   return False
 
 
-_FLAGS = ["--xla_backend_optimization_level=0"]
-if _xla_knows("xla_cpu_use_fusion_emitters"):
-  _FLAGS.append("--xla_cpu_use_fusion_emitters=false")
-os.environ.setdefault("XLA_FLAGS", " ".join(_FLAGS))
+# Only when unset: the xdist workers inherit the controller's setting, and a user's wins.
+if "XLA_FLAGS" not in os.environ:
+  _FLAGS = ["--xla_backend_optimization_level=0"]
+  if _xla_knows("xla_cpu_use_fusion_emitters"):
+    _FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+  os.environ["XLA_FLAGS"] = " ".join(_FLAGS)
