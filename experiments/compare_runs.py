@@ -27,7 +27,7 @@ flags.DEFINE_string("out", None, "Output directory.")
 flags.DEFINE_string("title", "", "Figure and table title.")
 flags.DEFINE_list("draw", [], "Labels of the runs to draw (default: all).")
 flags.DEFINE_list("reach", [], "metric:threshold pairs: the table adds, per run, the first "
-                  "evaluated step with metric >= threshold ('never' if none), e.g. "
+                  "evaluated step with metric >= threshold ('not by <last step>' if none), e.g. "
                   "eval_accuracy:0.5 for when a run left the MQAR plateau.")
 
 
@@ -69,10 +69,11 @@ def last_evaluations(runs: dict[str, list[dict]], metrics: list[str], title: str
            "| run | step | " + " | ".join(heads) + " |",
            "|---|---|" + "---|" * len(heads)]
   for label, curve in runs.items():
-    firsts = [first_reached(curve, m, t) for m, t in reach]
-    firsts = ["never" if f is None else str(f) for f in firsts]
     last = [h for h in curve if any(h.get(m) is not None for m in metrics)][-1:]
     h = last[0] if last else {}  # a run with no evaluation yet: "-" cells
+    # "not by <step>" rather than "never": the run may have been stopped early.
+    firsts = [first_reached(curve, m, t) for m, t in reach]
+    firsts = [f"not by {h.get('step', 0)}" if f is None else str(f) for f in firsts]
     cells = [f"{h[m]:.4f}" if h.get(m) is not None else "-" for m in metrics] + firsts
     lines.append(f"| {label} | {h.get('step', '-')} | " + " | ".join(cells) + " |")
   return "\n".join(lines).lstrip("\n") + "\n"

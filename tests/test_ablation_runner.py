@@ -116,7 +116,7 @@ def test_compare_runs_overlays_curves(tmp_path):
   # The table holds every run's last evaluation, drawn or not.
   table = (out / "compare.md").read_text()
   # ... and the first evaluated step at or above each --reach threshold.
-  assert "| a run | 20 | 0.2500 | 1.0000 | never | never |" in table
+  assert "| a run | 20 | 0.2500 | 1.0000 | not by 20 | not by 20 |" in table
   assert "| b run | 20 | 0.7500 | 1.0000 | 10 | 20 |" in table
   assert "first step with eval accuracy >= 0.3 |" in table
   bad = subprocess.run([sys.executable, "-m", "experiments.compare_runs", f"--out={out}",
