@@ -37,8 +37,9 @@ from sse_jax import train as train_lib
 # 4000 (the first GPU sweeps); every fig7 / table run trained to the end of a
 # 12000-step schedule had left it in every seed and was nearly flat by then (the
 # slowest seed, N4_k2 s0, still rising 0.89 -> 0.91 over the last 2000 steps;
-# results/gpu_long_probe/12000_steps*/), so the GPU size trains 12000 steps. Its MQAR batches come from 4 worker processes: one host
-# thread could not keep the GPU busy (three stacked seeds: 13 -> 87 steps/s on the H200).
+# results/gpu_long_probe/12000_steps*/), so the GPU size trains 12000 steps. Its MQAR
+# batches come from 4 worker processes: one host thread could not keep the GPU busy
+# (three stacked seeds: 13 -> 87 steps/s on the H200).
 GPU = dict(hidden=128, num_heads=2, layers=2, batch_size=128, steps=12000, eval_every=500,
            warmup=200, vocab=8192, pairs=16, seq_len=128, chunk=64, lrs=(1e-3, 3e-3),
            sse_impl="pallas_masking", gla_impl="pallas_chunk", data_workers=4)

@@ -71,11 +71,12 @@ def last_evaluations(runs: dict[str, list[dict]], metrics: list[str], title: str
   for label, curve in runs.items():
     last = [h for h in curve if any(h.get(m) is not None for m in metrics)][-1:]
     h = last[0] if last else {}  # a run with no evaluation yet: "-" cells
+    step = h.get("step", "-")
     # "not by <step>" rather than "never": the run may have been stopped early.
     firsts = [first_reached(curve, m, t) for m, t in reach]
-    firsts = [f"not by {h.get('step', 0)}" if f is None else str(f) for f in firsts]
+    firsts = [f"not by {step}" if f is None else str(f) for f in firsts]
     cells = [f"{h[m]:.4f}" if h.get(m) is not None else "-" for m in metrics] + firsts
-    lines.append(f"| {label} | {h.get('step', '-')} | " + " | ".join(cells) + " |")
+    lines.append(f"| {label} | {step} | " + " | ".join(cells) + " |")
   return "\n".join(lines).lstrip("\n") + "\n"
 
 
