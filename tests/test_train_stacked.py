@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -111,3 +112,27 @@ def test_stacked_runs_on_eight_devices_match_one_device(tmp_path):
   one = train.train_stacked(short_configs(), [tmp_path / "one_a", tmp_path / "one_b"])
   np.testing.assert_allclose(eight["loss"], [s["eval"]["loss"] for s in one], rtol=1e-5)
   assert eight["loss"][0] != eight["loss"][1]
+
+
+def test_stacked_runs_resume_from_the_newest_step_they_all_have(tmp_path):
+  """A group stopped while saving leaves one run a checkpoint ahead of the others: the
+  group resumes from the step they all have, and ends as an uninterrupted group."""
+  configs = [tiny_config(3e-2, 0), tiny_config(1e-2, 1)]
+  whole = train.train_stacked(configs, [tmp_path / "whole_a", tmp_path / "whole_b"])
+  dirs = [tmp_path / "a", tmp_path / "b"]
+  train.train_stacked(configs, dirs, stop_after=4)  # checkpoints at 2 and 4
+  shutil.rmtree(dirs[1] / "checkpoints" / "4")      # b's step-4 save never finished
+  summaries = train.train_stacked(configs, dirs)
+  assert [s["resumed_from"] for s in summaries] == [2, 2]
+  assert all(s["finished"] for s in summaries)
+  for d, s, w in zip(dirs, summaries, whole):
+    assert [r["step"] for r in records(d, "train")] == list(range(1, 9))
+    np.testing.assert_allclose(s["eval"]["loss"], w["eval"]["loss"], rtol=1e-6)
+  # No step in common (a has only 4, b only 2): refused, naming both runs' steps.
+  for d in dirs:
+    shutil.rmtree(d)
+  train.train_stacked(configs, dirs, stop_after=4)
+  shutil.rmtree(dirs[0] / "checkpoints" / "2")
+  shutil.rmtree(dirs[1] / "checkpoints" / "4")
+  with pytest.raises(ValueError, match=r"a: \[4\].*b: \[2\]"):
+    train.train_stacked(configs, dirs)

@@ -56,6 +56,17 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """The steps saved completely (a save cut short leaves only a temporary folder)."""
+    return sorted(self.manager.all_steps())
+
+  def discard_after(self, step: int) -> list[int]:
+    """Deletes the checkpoints later than `step`; returns their steps."""
+    later = [s for s in self.all_steps() if s > step]
+    for s in later:
+      self.manager.delete(s)
+    return later
+
   def save(self, step: int, state: TrainState, data_iterator, host: dict[str, Any],
            fingerprint: dict[str, Any]) -> None:
     ocp = _ocp()

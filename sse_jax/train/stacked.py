@@ -22,9 +22,12 @@ stacked run is not bitwise the same as the run trained alone.
 A non-finite loss or gradient norm in any run stops them all, with that run's
 NonFiniteLossError (its message names the run's last checkpoint, if any).
 
-Resuming: all runs must be at the same step (the latest checkpoint of each, or none);
-otherwise a ValueError names their steps (train them separately, or remove the
-further checkpoints).
+Resuming: all runs resume from the newest step that every one of them has a checkpoint
+of. They are usually at the same step, but a group stopped while saving can leave some
+runs one checkpoint ahead: their later checkpoints are deleted (and said so) and the
+group retrains those steps. If some runs have checkpoints and others none, or they share
+no step, a ValueError names their steps (train them separately, or move checkpoints
+away).
 """
 
 from __future__ import annotations
@@ -61,6 +64,32 @@ def check_stackable(configs: Sequence[Any]) -> None:
     if fields:
       raise ValueError(f"stacked runs may differ only in {VARYING}; config {i} differs from "
                        f"config 0 in {', '.join(fields)}")
+
+
+def common_step(runs: Sequence[Run]) -> int | None:
+  """The newest checkpoint step every run has (None: no run has one)."""
+  saved = [run.checkpoints.all_steps() for run in runs]
+  if not any(saved):
+    return None
+  shared = set(saved[0]).intersection(*saved[1:])
+  if not shared:
+    raise ValueError("stacked runs must resume from a step they all have a checkpoint "
+                     "of; their checkpoints are at " + ", ".join(
+                         f"{r.workdir}: {s or 'none'}" for r, s in zip(runs, saved)))
+  return max(shared)
+
+
+def discard_later(runs: Sequence[Run], step: int | None):
+  """Deletes the checkpoints after `step` of the runs ahead of the group (called once
+  every run has restored `step`, so a refused checkpoint deletes nothing)."""
+  if step is None:
+    return
+  for run in runs:
+    later = run.checkpoints.discard_after(step)
+    if later:
+      print(f"[stacked] {run.workdir}: the group resumes from step {step}, the newest "
+            f"checkpoint every run has; deleted this run's later checkpoints {later}",
+            flush=True)
 
 
 def _unit_lr(config) -> ml_collections.ConfigDict:
@@ -108,14 +137,12 @@ def train_stacked(configs: Sequence[Any], workdirs: Sequence[str], *,
     run.train_iter = runs[j].train_iter
   try:
     with jax.set_mesh(base.mesh):
+      step = common_step(runs)
       for run in runs:
-        run.start()
+        run.start(step)
+      discard_later(runs, step)
       for run in runs[1:]:  # one progress line for the group (the first run's)
         run.progress.active = False
-      if len({run.step for run in runs}) > 1:
-        raise ValueError("stacked runs must resume from the same step; their latest "
-                         "checkpoints are at " + ", ".join(
-                             f"{r.workdir}: {r.step}" for r in runs))
       stacked = jax.device_put(
           jax.tree.map(lambda *xs: jnp.stack(xs), *[r.state for r in runs]), state_sharding)
       for run in runs:
