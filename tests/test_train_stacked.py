@@ -128,11 +128,8 @@ def test_stacked_runs_resume_from_the_newest_step_they_all_have(tmp_path):
   for d, s, w in zip(dirs, summaries, whole):
     assert [r["step"] for r in records(d, "train")] == list(range(1, 9))
     np.testing.assert_allclose(s["eval"]["loss"], w["eval"]["loss"], rtol=1e-6)
-  # No step in common (a has only 4, b only 2): refused, naming both runs' steps.
-  for d in dirs:
-    shutil.rmtree(d)
-  train.train_stacked(configs, dirs, stop_after=4)
-  shutil.rmtree(dirs[0] / "checkpoints" / "2")
-  shutil.rmtree(dirs[1] / "checkpoints" / "4")
-  with pytest.raises(ValueError, match=r"a: \[4\].*b: \[2\]"):
+  # No step in common (a keeps only 8, b only 6): refused, naming both runs' steps.
+  shutil.rmtree(dirs[0] / "checkpoints" / "6")
+  shutil.rmtree(dirs[1] / "checkpoints" / "8")
+  with pytest.raises(ValueError, match=r"a: \[8\].*b: \[6\]"):
     train.train_stacked(configs, dirs)
