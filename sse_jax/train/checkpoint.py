@@ -79,8 +79,8 @@ class Checkpoints:
     self.manager.save(step, args=args, force=True)
 
   def _fail(self, step: int, what: str, cause: BaseException | None = None):
-    others = [s for s in self.manager.all_steps() if s != step]
-    hint = (f" Other steps there: {sorted(others)}; move the bad one away to resume from "
+    others = [s for s in self.all_steps() if s != step]
+    hint = (f" Other steps there: {others}; move the bad one away to resume from "
             "them," if others else "") + " or start in a new workdir."
     error = CheckpointError(
         f"cannot resume from {self.directory}/{step} (workdir {self.workdir}): {what}.{hint}")

@@ -90,10 +90,10 @@ class Run:
 
   # --- start ---------------------------------------------------------------------------
 
-  def start(self, step: int | None | str = "latest"):
-    """Restores the checkpoint of `step` ("latest": the newest; None: none, a fresh
-    start), or initialises the state when there is none."""
-    latest = self.checkpoints.latest_step() if step == "latest" else step
+  def start(self, step: int | None = None):
+    """Restores the checkpoint of `step` (None: the latest), or initialises the state
+    when there is none."""
+    latest = self.checkpoints.latest_step() if step is None else step
     if latest is None:
       self.state, self.host, self.step = self.program.init(), _fresh_host(), 0
     else:
