@@ -207,7 +207,7 @@ class Run:
         "params": count.total, "params_non_embedding": count.non_embedding,
         "resumed_from": self.resumed_from, "processes": jax.process_count(),
         "devices": jax.device_count(), "mesh": dict(self.program.mesh.shape),
-        "workdir": os.path.abspath(self.workdir),
+        "workdir": os.fspath(self.workdir),  # as given: a relative path stays relative
     }
 
   def close(self):
