@@ -178,9 +178,10 @@ def load_state(config, workdir: str, step: int | None = None) -> tuple[TrainStat
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"no checkpoint in {checkpoints.directory} (workdir {workdir})")
-    if step not in checkpoints.manager.all_steps():
+    saved = checkpoints.all_steps()
+    if step not in saved:
       raise CheckpointError(f"no checkpoint of step {step} in {checkpoints.directory}; "
-                            f"steps there: {sorted(checkpoints.manager.all_steps())}")
+                            f"steps there: {saved}")
     checkpoints.check(step, checkpoints.read_meta(step), config_lib.fingerprint(config),
                       data=False)
     return checkpoints.restore(step, program.restore_target()), step

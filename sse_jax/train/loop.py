@@ -93,17 +93,18 @@ class Run:
   def start(self, step: int | None = None):
     """Restores the checkpoint of `step` (None: the latest), or initialises the state
     when there is none."""
-    latest = self.checkpoints.latest_step() if step is None else step
-    if latest is None:
+    if step is None:
+      step = self.checkpoints.latest_step()
+    if step is None:
       self.state, self.host, self.step = self.program.init(), _fresh_host(), 0
     else:
-      meta = self.checkpoints.read_meta(latest)
-      self.checkpoints.check(latest, meta, self.fingerprint)
-      self.state = self.checkpoints.restore(latest, self.program.restore_target(),
+      meta = self.checkpoints.read_meta(step)
+      self.checkpoints.check(step, meta, self.fingerprint)
+      self.state = self.checkpoints.restore(step, self.program.restore_target(),
                                             self.train_iter)
-      self.host, self.step = meta["host"], latest
-    self.resumed_from = latest
-    self.log = MetricsLog(self.workdir, self.lead, latest)
+      self.host, self.step = meta["host"], step
+    self.resumed_from = step
+    self.log = MetricsLog(self.workdir, self.lead, step)
     self.progress = Progress(self.config.num_steps, self.lead and self.config.progress)
     if self.lead:
       with open(os.path.join(self.workdir, "config.json"), "w") as f:
