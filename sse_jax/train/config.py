@@ -209,19 +209,21 @@ def fingerprint(config) -> dict:
   return json.loads(json.dumps(out))  # tuples -> lists, as they come back from JSON
 
 
-def diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
-  """Human-readable differences between two JSON-like values, one per leaf."""
+def diff(saved: Any, current: Any, prefix: str = "", *, old: str = "in the checkpoint",
+         new: str = "now") -> list[str]:
+  """Human-readable differences between two JSON-like values, one per leaf; `old` and
+  `new` say where each side comes from ("1 in the checkpoint, 2 now")."""
   if isinstance(saved, dict) and isinstance(current, dict):
     out = []
     for key in sorted(set(saved) | set(current)):
       name = f"{prefix}.{key}" if prefix else str(key)
       if key not in saved:
-        out.append(f"{name}: not in the checkpoint, now {current[key]!r}")
+        out.append(f"{name}: absent {old}, {current[key]!r} {new}")
       elif key not in current:
-        out.append(f"{name}: {saved[key]!r} in the checkpoint, not in the config")
+        out.append(f"{name}: {saved[key]!r} {old}, absent {new}")
       else:
-        out.extend(diff(saved[key], current[key], name))
+        out.extend(diff(saved[key], current[key], name, old=old, new=new))
     return out
   if saved != current:
-    return [f"{prefix}: {saved!r} in the checkpoint, {current!r} now"]
+    return [f"{prefix}: {saved!r} {old}, {current!r} {new}"]
   return []
