@@ -44,11 +44,16 @@ from sse_jax.train import config as config_lib
 FLAGS = flags.FLAGS
 # --config (the sweep's config file, with the --config.* flags its runs were trained
 # with) is the runner's flag, defined by importing experiments.ablation.
-flags.DEFINE_list("reports", [], "Report directories (each with a results.json) of this"
-                  " sweep; a later one wins where two have the same run finished.")
-flags.DEFINE_list("borrow", [], "RUN=OTHER_RUN@DIR: this sweep's RUN is the row OTHER_RUN of"
-                  " the report in DIR (of any sweep), which must be the same training.")
-flags.DEFINE_string("out", None, "Directory for the merged report.")
+
+
+def define_flags() -> None:
+  """This tool's flags, defined only when it runs: as module-level flags they would clash
+  with other experiments' (--out) in a process that imports several."""
+  flags.DEFINE_list("reports", [], "Report directories (each with a results.json) of this"
+                    " sweep; a later one wins where two have the same run finished.")
+  flags.DEFINE_list("borrow", [], "RUN=OTHER_RUN@DIR: this sweep's RUN is the row OTHER_RUN"
+                    " of the report in DIR (of any sweep), which must be the same training.")
+  flags.DEFINE_string("out", None, "Directory for the merged report.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,5 +222,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   flags.mark_flag_as_required("config")
   app.run(main)

@@ -117,3 +117,9 @@ def test_cli_writes_the_report_with_its_sources(tmp_path):
                                    f"--out={out}"], capture_output=True, text=True,
                        timeout=300)
   assert bad.returncode != 0 and "num_steps: 8 in the report, 9 in this config" in bad.stderr
+
+
+def test_importing_defines_no_flags_that_could_clash():
+  # Other experiments define --out at import; in one pytest process both are imported.
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  assert "reports" not in flags.FLAGS and "borrow" not in flags.FLAGS
