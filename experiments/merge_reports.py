@@ -118,8 +118,8 @@ def _trained(cfg, run: str, lr: float, seed: int) -> dict[str, Any]:
 def check_same_training(cfg, run: str, source: Source) -> None:
   """Raises unless every seed of the source row trained what `run` of `cfg` trains."""
   theirs = config_of_command(source.command)
+  lr = float(source.row["lr"])
   for seed in source.row["seeds_used"]:
-    lr = float(source.row["lr"])
     problems = config_lib.diff(_trained(theirs, source.run, lr, seed),
                                _trained(cfg, run, lr, seed), old="in the report",
                                new="in this config")
@@ -209,7 +209,8 @@ def main(argv):
   command = "python -m experiments.merge_reports " + " ".join(sys.argv[1:])
   ablation.write_tables(cfg, rows, out, command)
   ablation.plot(cfg, rows, out / f"{cfg.name}.png")
-  missing = [r["name"] for r in cfg.runs if r["name"] not in {x["run"] for x in rows}]
+  merged = {row["run"] for row in rows}
+  missing = [r["name"] for r in cfg.runs if r["name"] not in merged]
   lines = ["", "Sources (each row is that report's row; its command trained it):", ""]
   lines += [f"- {row['run']}: `{s.report}`, run {s.run}, step {s.row['step']}"
             + ("" if s.row["finished"] else " (unfinished)") + f": `{s.command}`"
