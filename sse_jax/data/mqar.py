@@ -3,11 +3,15 @@
 Vocabulary of V ids:   0 = PAD / zero token;  keys = [1, 1 + H);  values = [1 + H, V),
 with H = (V - 1) // 2, so keys and values never share an id.
 
-One sequence s of length seq_len + 1 (P = num_pairs, G = gap_len, Q = num_queries):
+One sequence s of length seq_len + 1 (P pairs, G = gap_len, Q queries):
 
     s = k_1 v_1 k_2 v_2 ... k_P v_P | g_1 ... g_G | q_1 a_1 q_2 a_2 ... q_Q a_Q | 0 0 ... 0
         `--- 2P key-value pairs ---'   `- gap --'   `--- 2Q query / answer ---'   `- pad -'
 
+  * P is num_pairs, or, with min_pairs set, drawn per example uniformly from
+    {min_pairs, ..., num_pairs} (a mixture of pair counts, as in Zoology: the lookup is
+    learnt on the easy examples and the state's capacity is stressed by the hard ones);
+    Q is num_queries, or P when num_queries is None;
   * keys are distinct within a sequence (values are distinct too);
   * the queries q_j are Q distinct keys of the pairs, in random order; a_j is the value that
     was paired with q_j;
@@ -17,7 +21,8 @@ One sequence s of length seq_len + 1 (P = num_pairs, G = gap_len, Q = num_querie
 Next-token prediction on s: inputs = s[:-1], targets = s[1:], both int32 [seq_len].
 weights float32 [seq_len] is 1 exactly at the Q input positions holding a query (index
 2P + G + 2j), whose target is the answer a_j; 0 elsewhere, so loss and accuracy count only
-answers. The answers also appear as inputs after each query (teacher forcing), as in Zoology.
+answers. The trailing PAD tokens (id 0) are not part of the example: the trainer keeps
+them out of the load-balance loss and the router statistics too. The answers also appear as inputs after each query (teacher forcing), as in Zoology.
 
 Example i of `MQARSource(config, split_seed)` is computed from
 `np.random.default_rng([config.seed, split_seed, i])`: random access, reproducible, and
@@ -37,10 +42,13 @@ PAD_ID = 0
 
 @dataclasses.dataclass(frozen=True)
 class MQARConfig:
-  """MQAR knobs. num_queries None means num_pairs (every key is queried once)."""
+  """MQAR knobs. num_pairs: P, or the largest P when min_pairs is set (P uniform in
+  [min_pairs, num_pairs] per example). num_queries None means P (every key is queried
+  once)."""
 
   vocab_size: int = 8192
   num_pairs: int = 16
+  min_pairs: int | None = None
   seq_len: int = 128
   num_queries: int | None = None
   gap_mode: str = "none"
@@ -53,7 +61,14 @@ class MQARConfig:
 
   @property
   def queries(self) -> int:
+    """Q of the longest example (P = num_pairs)."""
     return self.num_pairs if self.num_queries is None else self.num_queries
+
+  @property
+  def pair_counts(self) -> tuple[int, ...]:
+    """Every P an example can have."""
+    low = self.num_pairs if self.min_pairs is None else self.min_pairs
+    return tuple(range(low, self.num_pairs + 1))
 
   @property
   def num_keys(self) -> int:
@@ -71,9 +86,13 @@ def validate(c: MQARConfig) -> None:
         f"num_pairs={c.num_pairs} needs that many distinct keys, but vocab_size="
         f"{c.vocab_size} has only {c.num_keys} key ids (need vocab_size >= "
         f"{2 * c.num_pairs + 1})")
-  if c.num_queries is not None and not 1 <= c.num_queries <= c.num_pairs:
-    raise ValueError(f"num_queries={c.num_queries}: must lie in [1, num_pairs={c.num_pairs}]"
-                     " (each query is a distinct key)")
+  if c.min_pairs is not None and not 1 <= c.min_pairs <= c.num_pairs:
+    raise ValueError(f"min_pairs={c.min_pairs}: must lie in [1, num_pairs={c.num_pairs}] "
+                     "(or None for a fixed pair count)")
+  fewest = c.num_pairs if c.min_pairs is None else c.min_pairs
+  if c.num_queries is not None and not 1 <= c.num_queries <= fewest:
+    raise ValueError(f"num_queries={c.num_queries}: must lie in [1, {fewest}], the fewest "
+                     "pairs an example has (each query is a distinct key)")
   if c.gap_mode not in GAP_MODES:
     raise ValueError(f"gap_mode={c.gap_mode!r}: must be one of {GAP_MODES}")
   if c.gap_len < 0:
@@ -92,9 +111,10 @@ def validate(c: MQARConfig) -> None:
         f"seq_len >= {used - 1}")
 
 
-def answer_start(c: MQARConfig) -> int:
-  """Input position of the first query (answers sit at answer_start + 2j)."""
-  return 2 * c.num_pairs + c.gap_len
+def answer_start(c: MQARConfig, pairs: int | None = None) -> int:
+  """Input position of the first query of an example with `pairs` pairs (None:
+  num_pairs); answers sit at answer_start + 2j."""
+  return 2 * (c.num_pairs if pairs is None else pairs) + c.gap_len
 
 
 class MQARSource:
@@ -112,12 +132,18 @@ class MQARSource:
 
   def sequence(self, index: int) -> np.ndarray:
     """The full int32 sequence s [seq_len + 1] of example `index`."""
+    return self.sequence_and_pairs(index)[0]
+
+  def sequence_and_pairs(self, index: int) -> tuple[np.ndarray, int]:
+    """(s [seq_len + 1], P) of example `index`."""
     c = self.config
     index = int(index)
     if not 0 <= index < c.num_examples:
       raise IndexError(f"MQAR index {index} out of range [0, {c.num_examples})")
     rng = np.random.default_rng([c.seed, self.split_seed, index])
-    p, g, q, h = c.num_pairs, c.gap_len, c.queries, c.num_keys
+    p = c.num_pairs if c.min_pairs is None else int(rng.integers(c.min_pairs, c.num_pairs + 1))
+    g, h = c.gap_len, c.num_keys
+    q = p if c.num_queries is None else c.num_queries
     keys = 1 + rng.choice(h, size=p, replace=False)
     values = 1 + h + rng.choice(c.vocab_size - 1 - h, size=p, replace=False)
     picked = rng.permutation(p)[:q]
@@ -130,14 +156,15 @@ class MQARSource:
     start = 2 * p + g  # "zero" gaps are already PAD
     s[start:start + 2 * q:2] = keys[picked]
     s[start + 1:start + 2 * q:2] = values[picked]
-    return s
+    return s, p
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    s = self.sequence(index)
+    s, p = self.sequence_and_pairs(index)
     c = self.config
+    q = p if c.num_queries is None else c.num_queries
     weights = np.zeros((c.seq_len,), np.float32)
-    start = answer_start(c)
-    weights[start:start + 2 * c.queries:2] = 1.0
+    start = answer_start(c, p)
+    weights[start:start + 2 * q:2] = 1.0
     return {"inputs": s[:-1], "targets": s[1:], "weights": weights}
 
   def __repr__(self) -> str:

@@ -46,8 +46,8 @@ def make_mixer(config: MixerConfig, **kwargs) -> nnx.Module:
   return cls(config, **kwargs)
 
 
-def _forward(block: "Block", x: jax.Array, cu_seqlens) -> MixerOutput:
-  return block.forward(x, None, cu_seqlens)
+def _forward(block: "Block", x: jax.Array, cu_seqlens, token_mask) -> MixerOutput:
+  return block.forward(x, None, cu_seqlens, token_mask)
 
 
 class Block(nnx.Module):
@@ -69,19 +69,24 @@ class Block(nnx.Module):
   def init_cache(self, batch: int, max_len: int):
     return self.mixer.init_cache(batch, max_len)
 
-  def forward(self, x: jax.Array, cache=None, cu_seqlens=None) -> MixerOutput:
-    out = self.mixer(self.mixer_norm(x), cache, cu_seqlens=cu_seqlens)
+  def forward(self, x: jax.Array, cache=None, cu_seqlens=None, token_mask=None
+              ) -> MixerOutput:
+    # token_mask only steers a routed mixer's statistics: attention has none.
+    kw = {} if isinstance(self.mixer, Attention) else dict(token_mask=token_mask)
+    out = self.mixer(self.mixer_norm(x), cache, cu_seqlens=cu_seqlens, **kw)
     h = x + out.y
     return out._replace(y=h + self.mlp(self.mlp_norm(h)))
 
-  def __call__(self, x: jax.Array, cache=None, *, cu_seqlens=None) -> MixerOutput:
-    """cu_seqlens: packed sequences (B == 1, no cache), see `sequences`."""
+  def __call__(self, x: jax.Array, cache=None, *, cu_seqlens=None, token_mask=None
+               ) -> MixerOutput:
+    """cu_seqlens: packed sequences (B == 1, no cache), see `sequences`; token_mask
+    bool [B, T]: the tokens a routed mixer's balance loss and usage count (None: all)."""
     # checked here: under remat the mixer sees cu_seqlens as a tracer (no value checks)
     sequences.check("Block", x, cu_seqlens, cache)
     if self.remat is None or cache is not None:
-      return self.forward(x, cache, cu_seqlens)
+      return self.forward(x, cache, cu_seqlens, token_mask)
     policy = getattr(jax.checkpoint_policies, self.remat)
     # graph=False treats the block as a pytree, so remat also works when the caller
     # closes over the model in a plain jax.grad (graph mode would refuse to update
     # Variables created at an outer trace level).
-    return nnx.remat(_forward, policy=policy, graph=False)(self, x, cu_seqlens)
+    return nnx.remat(_forward, policy=policy, graph=False)(self, x, cu_seqlens, token_mask)

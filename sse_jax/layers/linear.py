@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sse_jax.layers import validation as check
+from sse_jax.layers.router import load_balance
 from sse_jax.layers.features import ACTIVATIONS
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.norm import RMSNorm
@@ -175,17 +176,22 @@ class LinearMixer(nnx.Module):
   """
 
   def __call__(self, x: jax.Array, cache: RecurrentCache | None = None, *,
-               cu_seqlens: jax.Array | None = None) -> MixerOutput:
+               cu_seqlens: jax.Array | None = None,
+               token_mask: jax.Array | None = None) -> MixerOutput:
     """x [B, T, D] -> MixerOutput. Without a cache: the full sequence from a zero state.
     With a cache: continue from it (chunked prefill for T > 1, one decode step for
     T == 1) and return the updated cache. `cu_seqlens` int [S + 1] (B == 1, no cache):
-    S packed sequences, each computed as if alone (see `sequences`)."""
+    S packed sequences, each computed as if alone (see `sequences`). `token_mask`
+    bool [B, T] (None: all): the tokens the load-balance loss and the usage statistics
+    of a routed mixer average over (it changes nothing else)."""
     sequences.check(type(self).__name__, x, cu_seqlens, cache)
     o, cache, routing = self.attend(x, cache, cu_seqlens)
     y = self.out(o, x)
     if routing is None:
       return MixerOutput(y, cache)
-    return MixerOutput(y, cache, routing.aux_loss, routing.usage)
+    aux, usage = load_balance(routing.probs, routing.write_indices,
+                              routing.probs.shape[-1], token_mask)
+    return MixerOutput(y, cache, aux, usage, (routing.write_indices, routing.reads))
 
   def init_cache(self, batch: int, max_len: int | None = None) -> RecurrentCache:
     """A zero cache; `max_len` is ignored (the state does not grow with T)."""

@@ -16,9 +16,12 @@ class MixerOutput(NamedTuple):
             only, else None).
   usage:    float32 [N], fraction of tokens whose write set contains each partition
             (routed mixers only, else None).
+  indices:  (write int32 [B, T, Kw], read int32 [B, T, Kr]): the partitions each token
+            writes and reads (routed mixers only, else None).
   """
 
   y: jax.Array
   cache: Any = None
   aux_loss: jax.Array | None = None
   usage: jax.Array | None = None
+  indices: tuple[jax.Array, jax.Array] | None = None

@@ -6,6 +6,9 @@ and the partition-level load-balance loss.
     aux  = N / k * sum_i f_i p_i                  p_i = mean_t e_t^i,
                                                   f_i = mean_t 1[i in T_t (write set)]
 
+The means run over the tokens of `token_mask` (all tokens when it is None): PAD tokens
+must not pull the balance or the usage statistics towards the partition PAD picks.
+
 f_i is piecewise constant (it comes from the top-k indices) so the load-balance
 gradient reaches W_e only through p_i; a uniform router gives aux = 1.
 """
@@ -26,8 +29,7 @@ class Routing(NamedTuple):
 
   probs: float32 [B, T, N]. write_weights / write_indices: [B, T, Kw] (float32 /
   int32), the write set. read_weights / read_indices: [B, T, Kr], or None when the
-  read set is the write set. aux_loss: float32 scalar (unscaled). usage: float32 [N],
-  the f_i above.
+  read set is the write set.
   """
 
   probs: jax.Array
@@ -35,16 +37,26 @@ class Routing(NamedTuple):
   write_indices: jax.Array
   read_weights: jax.Array | None
   read_indices: jax.Array | None
-  aux_loss: jax.Array
-  usage: jax.Array
+
+  @property
+  def reads(self) -> jax.Array:
+    """int32 [B, T, Kr]: the partitions each token reads."""
+    return self.write_indices if self.read_indices is None else self.read_indices
 
 
-def load_balance(probs: jax.Array, indices: jax.Array, num_partitions: int):
-  """(aux = N / k * sum_i f_i p_i, f [N]) for probs [B, T, N], indices [B, T, k]."""
+def load_balance(probs: jax.Array, indices: jax.Array, num_partitions: int,
+                 token_mask: jax.Array | None = None):
+  """(aux = N / k * sum_i f_i p_i, f [N]) for probs [B, T, N], indices [B, T, k], the
+  means over the tokens where token_mask [B, T] is true (None: all). With no token
+  selected, f = 0 and aux = 0."""
   k = indices.shape[-1]
   hits = jnp.sum(jax.nn.one_hot(indices, num_partitions, dtype=jnp.float32), axis=-2)
-  f = jnp.mean(hits.reshape(-1, num_partitions), axis=0)
-  p = jnp.mean(probs.reshape(-1, num_partitions), axis=0)
+  if token_mask is None:
+    token_mask = jnp.ones(probs.shape[:-1], jnp.float32)
+  m = token_mask.astype(jnp.float32)[..., None]
+  count = jnp.maximum(jnp.sum(m), 1.0)
+  f = jnp.sum((hits * m).reshape(-1, num_partitions), axis=0) / count
+  p = jnp.sum((probs * m).reshape(-1, num_partitions), axis=0) / count
   return num_partitions / k * jnp.sum(f * p), f
 
 
@@ -78,5 +90,4 @@ class Router(nnx.Module):
     if self.num_readers != self.num_writers:
       rw, ri = top_k(probs, self.num_readers)
       ri = ri.astype(jnp.int32)
-    aux, usage = load_balance(probs, wi, self.num_partitions)
-    return Routing(probs, ww, wi.astype(jnp.int32), rw, ri, aux, usage)
+    return Routing(probs, ww, wi.astype(jnp.int32), rw, ri)

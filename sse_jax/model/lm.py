@@ -37,6 +37,8 @@ class ModelOutput(NamedTuple):
     `LanguageModel.routed_layers`): fraction of tokens whose write set holds partition i.
   router_aux: the unscaled per-SSE-layer load-balance losses.
   cache: the updated per-layer caches when a cache was passed, else None.
+  router_indices: per SSE layer, (write int32 [B, T, Kw], read int32 [B, T, Kr]): the
+    partitions each token writes and reads.
   """
 
   logits: jax.Array
@@ -44,6 +46,7 @@ class ModelOutput(NamedTuple):
   router_usage: tuple[jax.Array, ...]
   router_aux: tuple[jax.Array, ...]
   cache: tuple[Any, ...] | None = None
+  router_indices: tuple[tuple[jax.Array, jax.Array], ...] = ()
 
 
 class LanguageModel(nnx.Module):
@@ -78,10 +81,12 @@ class LanguageModel(nnx.Module):
     return tuple(block.init_cache(batch, max_len) for block in self.blocks)
 
   def __call__(self, tokens: jax.Array, *, cache: tuple[Any, ...] | None = None,
-               cu_seqlens: jax.Array | None = None) -> ModelOutput:
+               cu_seqlens: jax.Array | None = None,
+               token_mask: jax.Array | None = None) -> ModelOutput:
     """cu_seqlens int [S + 1] (tokens [1, T], no cache): S sequences packed end to end,
-    each computed as if alone (`sse_jax.layers.sequences`); the router statistics and
-    the load-balance loss are over all T tokens."""
+    each computed as if alone (`sse_jax.layers.sequences`). token_mask bool [B, T]: the
+    tokens the router statistics and the load-balance loss average over (None: all;
+    the trainer passes tokens != PAD); logits do not depend on it."""
     sequences.check("LanguageModel", tokens, cu_seqlens, cache)
     vocab = self.embed.shape[0]
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -94,14 +99,16 @@ class LanguageModel(nnx.Module):
     # Under jit an id out of range cannot be checked here (the trainer checks its
     # batches); jnp.take would fill its row with NaN, which the causal matmuls spread.
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
-    caches, usage, aux = [], [], []
+    caches, usage, aux, indices = [], [], [], []
     for i, block in enumerate(self.blocks):
-      out = block(x, None if cache is None else cache[i], cu_seqlens=cu_seqlens)
+      out = block(x, None if cache is None else cache[i], cu_seqlens=cu_seqlens,
+                  token_mask=token_mask)
       x = out.y
       caches.append(out.cache)
       if out.aux_loss is not None:
         aux.append(out.aux_loss)
         usage.append(out.usage)
+        indices.append(out.indices)
     h = self.final_norm(x)
     if self.lm_head is None:
       head, eqn = self.embed[...], "btd,vd->btv"
@@ -111,4 +118,4 @@ class LanguageModel(nnx.Module):
                         preferred_element_type=jnp.float32)
     total = sum(aux, jnp.zeros((), jnp.float32))
     return ModelOutput(logits, self.config.aux_loss_coef * total, tuple(usage), tuple(aux),
-                       None if cache is None else tuple(caches))
+                       None if cache is None else tuple(caches), tuple(indices))

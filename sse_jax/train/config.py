@@ -24,8 +24,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Fields that may change when a run is resumed: they steer how the run is watched and
 # where it runs, not what it computes. Everything else must match the checkpoint.
-RUN_CONTROL = ("eval_data", "eval_every", "eval_batches", "log_every", "checkpoint_every",
-               "keep_checkpoints", "mesh", "progress", "tags")
+RUN_CONTROL = ("eval_data", "eval_pairs", "eval_every", "eval_batches", "log_every",
+               "checkpoint_every", "keep_checkpoints", "mesh", "progress", "tags")
+
+# Fewest answers a per-pair-count test set holds (`eval_pairs`).
+MIN_TEST_ANSWERS = 1024
 
 
 def default_config():
@@ -46,7 +49,15 @@ def default_config():
                     split="validation" (MQAR: an independent held-out stream), or, when
                     `data` already reads the validation split (a missing split is the
                     kind's default), with seed + 1; an error for a kind without a
-                    seed [None]
+                    seed [None]. It is the validation stream: the ablation runner
+                    picks learning rates by its loss
+  eval_pairs        MQAR only: pair counts P scored at every evaluation on held-out
+                    TEST sets, one per P (eval_data with num_pairs = P, min_pairs None,
+                    split "test"; the first examples of that stream, the same for every
+                    run and seed), each of max(eval_batches, ceil(1024 / (batch_size Q)))
+                    batches (Q queries per example), so >= 1024 answers; reported as the
+                    eval record's `by_pairs` {P: {accuracy, loss, answers, agreement}}
+                    [()]
   seed              model init, data shuffling and the training RNG [0]
   batch_size        GLOBAL batch: sequences per step over all processes and devices [32]
   data_workers      processes making the training batches (0: threads of this process);
@@ -89,7 +100,7 @@ def default_config():
                gla=None, attention=None, tie_embeddings=True, aux_loss_coef=0.01,
                remat=None)
   return ml_collections.ConfigDict(dict(
-      model=model, data=data, eval_data=None, seed=0, batch_size=32, data_workers=0,
+      model=model, data=data, eval_data=None, eval_pairs=(), seed=0, batch_size=32, data_workers=0,
       num_steps=1000,
       lr=3e-3, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95,
       eps=1e-8, grad_clip=1.0, compute_dtype="bfloat16", param_dtype="float32",
@@ -152,6 +163,34 @@ def validate(config) -> None:
     _fail("mesh", mesh, "needs data >= 1 or -1 (all devices) and model >= 1")
   if "kind" not in to_dict(config.data):
     _fail("data", to_dict(config.data), "needs a `kind` (see sse_jax.data.default_config)")
+  pairs = tuple(config.eval_pairs)
+  if pairs:
+    if any(not isinstance(p, int) or isinstance(p, bool) or p < 1 for p in pairs):
+      _fail("eval_pairs", pairs, "must be positive integers (MQAR pair counts)")
+    evals = eval_data_config(config)
+    if evals["kind"] != "mqar":
+      _fail("eval_pairs", pairs, f"needs MQAR evaluation data, not kind {evals['kind']!r}")
+    for p in pairs:
+      test_config(evals, p)  # raises the MQAR config's own error for an impossible P
+
+
+def test_config(eval_data: dict, pairs: int) -> dict:
+  """The data config of the per-pair-count test set for P = `pairs` (see eval_pairs)."""
+  from sse_jax.data import make_source  # pylint: disable=g-import-not-at-top
+  out = dict(eval_data, num_pairs=int(pairs), min_pairs=None, split="test")
+  if out.get("num_queries") is not None:
+    out["num_queries"] = min(out["num_queries"], int(pairs))
+  try:
+    make_source(out)
+  except ValueError as e:
+    _fail("eval_pairs", pairs, f"is impossible for the evaluation data: {e}")
+  return out
+
+
+def test_batches(config, test: dict) -> int:
+  """Batches of a test set (`test_config`): >= MIN_TEST_ANSWERS answers, >= eval_batches."""
+  queries = test["num_queries"] if test.get("num_queries") is not None else test["num_pairs"]
+  return max(config.eval_batches, -(-MIN_TEST_ANSWERS // (config.batch_size * queries)))
 
 
 def data_vocab_size(data_config) -> int:

@@ -51,6 +51,7 @@ def _as_config(config):
 
 
 def _datasets(config):
+  """(training stream, validation stream, {P: (test set, batches)} of `eval_pairs`)."""
   from sse_jax.data import make_dataset, make_source  # pylint: disable=g-import-not-at-top
   train = make_dataset(make_source(config.data), batch_size=config.batch_size,
                        seed=config.seed, shuffle=True, num_workers=config.data_workers)
@@ -58,7 +59,14 @@ def _datasets(config):
   evals = make_dataset(make_source(config_lib.eval_data_config(config)),
                        batch_size=config.batch_size, seed=config.seed, shuffle=True,
                        num_epochs=1)
-  return train, evals
+  tests = {}
+  for p in config.eval_pairs:
+    # Unshuffled: the same test examples for every run and seed.
+    test = config_lib.test_config(config_lib.eval_data_config(config), p)
+    tests[int(p)] = (make_dataset(make_source(test), batch_size=config.batch_size,
+                                  seed=0, shuffle=False, num_epochs=1),
+                     config_lib.test_batches(config, test))
+  return train, evals, tests
 
 
 def _fresh_host() -> dict[str, Any]:
@@ -77,7 +85,7 @@ class Run:
     self.started = time.time()
     self.lead = jax.process_index() == 0
     self.fingerprint = config_lib.fingerprint(config)
-    self.train_ds, self.eval_ds = _datasets(config)
+    self.train_ds, self.eval_ds, self.test_sets = _datasets(config)
     self.train_iter = iter(self.train_ds)
     self.checkpoints = Checkpoints(workdir, config.keep_checkpoints)
     self.train_bytes = config.data.kind != "mqar"
@@ -176,12 +184,26 @@ class Run:
     self.progress.update(step, record["loss"], rate, rate * self.tokens_per_step)
     self.host["log_sums"], self.host["log_count"] = {}, 0
 
-  def evaluate(self, params) -> dict[str, Any]:
-    iterator = iter(self.eval_ds)
+  def _sums(self, params, dataset, batches: int) -> list[dict[str, Any]]:
+    iterator = iter(dataset)
     sums = [self.program.eval_step(params, self.program.global_batch(local))
-            for local in itertools.islice(iterator, self.config.eval_batches)]
+            for local in itertools.islice(iterator, batches)]
     del iterator  # stops grain's prefetch threads now rather than at interpreter exit
-    return metrics_lib.finish_eval(jax.device_get(sums), self.routed, self.eval_bytes)
+    return jax.device_get(sums)
+
+  def evaluate(self, params) -> dict[str, Any]:
+    """The validation stream's metrics, and `by_pairs` {P: accuracy, loss, answers} on
+    the test sets of `eval_pairs` (if any)."""
+    out = metrics_lib.finish_eval(self._sums(params, self.eval_ds, self.config.eval_batches),
+                                  self.routed, self.eval_bytes)
+    if self.test_sets:
+      out["by_pairs"] = {}
+      for p, (dataset, batches) in self.test_sets.items():
+        m = metrics_lib.finish_eval(self._sums(params, dataset, batches), self.routed, False)
+        out["by_pairs"][str(p)] = {
+            "accuracy": m["accuracy"], "loss": m["loss"], "answers": m["tokens_scored"],
+            "agreement": [r.get("agreement") for r in m["router"]]}
+    return out
 
   def eval_and_log(self, step: int):
     count = self.host["eval_count"]

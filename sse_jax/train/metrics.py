@@ -15,6 +15,13 @@ with usage fractions f_i (fraction of tokens writing partition i; sum_i f_i = k)
 
     entropy   -sum_i p_i log p_i / log N, p = f / sum f   (1 balanced, 0 collapsed)
     max       max_i f_i, the busiest partition's fraction (k / N balanced, 1 collapsed)
+
+(f counts non-PAD tokens only, see `steps.forward`.) On MQAR data, also
+
+    agreement  over the scored answers: the fraction whose value token (where the pair's
+               value was written) writes a partition that the query token reads, i.e.
+               the state that holds the pair is one the query looks at. A router that
+               ignores its input agrees with probability ~ 1 - (1 - Kr / N)^Kw.
 """
 
 from __future__ import annotations
@@ -57,10 +64,34 @@ def train_metrics(out, batch) -> dict[str, jax.Array]:
           "exact_match": _ratio(s["exact_sum"], s["scored_sum"])}
 
 
-def eval_sums(out, batch) -> dict[str, Any]:
-  """What one evaluation batch adds: the sums above, aux_loss, router usage [N] per layer."""
-  return {**_weighted(out, batch), "aux_loss": out.aux_loss,
+def value_positions(inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """For every position t: s(t), the first input position before t holding targets[t]
+  (in MQAR, the answer's value token in the key-value pairs), and whether one exists.
+  inputs, targets int [B, T] -> (int32 [B, T], bool [B, T])."""
+  t = inputs.shape[1]
+  same = inputs[:, None, :] == targets[:, :, None]                     # [B, t, s]
+  same = same & (jnp.arange(t)[None, :] < jnp.arange(t)[:, None])[None]
+  return jnp.argmax(same, axis=-1).astype(jnp.int32), jnp.any(same, axis=-1)
+
+
+def route_agreement(indices, batch) -> jax.Array:
+  """Sum over scored answers of 1[write set at the value token meets the read set at the
+  query token] for one SSE layer's (write [B, T, Kw], read [B, T, Kr]) indices."""
+  write, read = indices
+  pos, found = value_positions(batch["inputs"], batch["targets"])
+  written = jnp.take_along_axis(write, pos[..., None], axis=1)           # [B, T, Kw]
+  meet = jnp.any(written[..., :, None] == read[..., None, :], axis=(-2, -1))
+  return jnp.sum(batch["weights"] * (found & meet))
+
+
+def eval_sums(out, batch, *, recall: bool = False) -> dict[str, Any]:
+  """What one evaluation batch adds: the sums above, aux_loss, router usage [N] per layer
+  and, with `recall`, each layer's route agreement sum."""
+  sums = {**_weighted(out, batch), "aux_loss": out.aux_loss,
           "router_usage": tuple(out.router_usage)}
+  if recall:
+    sums["router_agree"] = tuple(route_agreement(i, batch) for i in out.router_indices)
+  return sums
 
 
 def router_stats(usage: Sequence[float]) -> dict[str, Any]:
@@ -90,7 +121,13 @@ def finish_eval(batches: list[dict], routed_layers: Sequence[int], byte_level: b
   for i, layer in enumerate(routed_layers):
     usage = np.mean([np.asarray(b["router_usage"][i]) for b in batches], axis=0)
     out["router"].append({"layer": layer, **router_stats(usage)})
+    if "router_agree" in batches[0] and weight:
+      out["router"][-1]["agreement"] = total_of(batches, "router_agree", i) / weight
   return out
+
+
+def total_of(batches: list[dict], key: str, i: int) -> float:
+  return float(sum(float(b[key][i]) for b in batches))
 
 
 def flat_scalars(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
@@ -99,8 +136,12 @@ def flat_scalars(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
   for key, value in metrics.items():
     if key == "router":
       for layer in value:
-        for stat in ("entropy", "max"):
-          out[f"{prefix}/router_L{layer['layer']}/{stat}"] = layer[stat]
+        for stat in ("entropy", "max", "agreement"):
+          if layer.get(stat) is not None:
+            out[f"{prefix}/router_L{layer['layer']}/{stat}"] = layer[stat]
+    elif key == "by_pairs":
+      for p, m in value.items():
+        out[f"{prefix}/accuracy_P{p}"] = float(m["accuracy"])
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
       out[f"{prefix}/{key}"] = float(value)
   return out

@@ -85,6 +85,8 @@ def build(config) -> Program:
 
   train_step = steps.make_train_step(graphdef, tx, optim.schedule(config), state_sharding,
                                      batch_sharding, replicated)
-  eval_step = steps.make_eval_step(graphdef, params_sharding, batch_sharding, replicated)
+  recall = config_lib.eval_data_config(config)["kind"] == "mqar"
+  eval_step = steps.make_eval_step(graphdef, params_sharding, batch_sharding, replicated,
+                                   recall=recall)
   return Program(mesh, model_config, graphdef, abstract_state, state_sharding,
                  batch_sharding, sharded_init, train_step, eval_step)

@@ -18,8 +18,16 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sse_jax.data import PAD_ID
 from sse_jax.train import metrics as metrics_lib
 from sse_jax.train.state import TrainState
+
+
+def forward(graphdef: nnx.GraphDef, params, batch):
+  """The model on batch["inputs"]; PAD tokens (id 0 in every data source) are left out
+  of the load-balance loss and the router statistics."""
+  return nnx.merge(graphdef, params)(batch["inputs"],
+                                     token_mask=batch["inputs"] != PAD_ID)
 
 
 def _update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -29,7 +37,7 @@ def _update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   compute dtype inside); one optax update, multiplied by lr_scale when given."""
 
   def loss_fn(params, batch):
-    out = nnx.merge(graphdef, params)(batch["inputs"])
+    out = forward(graphdef, params, batch)
     m = metrics_lib.train_metrics(out, batch)
     return m["loss"], m
 
@@ -79,9 +87,11 @@ def stack_shardings(tree: Any) -> Any:
 
 
 def make_eval_step(graphdef: nnx.GraphDef, params_sharding, batch_sharding,
-                   replicated) -> Callable:
+                   replicated, *, recall: bool = False) -> Callable:
+  """eval_step(params, batch) -> metrics.eval_sums; `recall` (MQAR data): also the
+  routers' write / read agreement on the key-value pairs (`metrics.route_agreement`)."""
   def step(params, batch):
-    return metrics_lib.eval_sums(nnx.merge(graphdef, params)(batch["inputs"]), batch)
+    return metrics_lib.eval_sums(forward(graphdef, params, batch), batch, recall=recall)
 
   return jax.jit(step, in_shardings=(params_sharding, batch_sharding),
                  out_shardings=replicated)
