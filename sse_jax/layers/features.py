@@ -4,8 +4,22 @@
   "relu"      max(x, 0)                "elu+1"  elu(x) + 1  (positive, as in linear transformers)
   "softmax"   softmax over the head dim, in float32 (the paper's key map: each key is
               a distribution over the Dk state rows)
-  "topk-softmax"  softmax over the Dk/4 largest entries only, zero elsewhere: the
-              row-sparse key of the paper's Eq. (7) (Appendix A, Fig. 9), k = d/4
+  "topk-softmax"  softmax over the k = max(1, Dk // 4) largest entries only, zero
+              elsewhere: the row-sparse key of the paper's Eq. (7) (Appendix A, Fig. 9).
+
+Row-sparse maps ("topk-softmax") also select which state rows a token touches. With
+m_t = `row_mask(name, x_t)` (bool [Dk], 1 on the top-k rows) the paper's Eq. (7)-(8) is
+
+    S_t[i] = exp(g_t[i]) S_{t-1}[i] + k_t[i] v_t   if m_t[i]
+    S_t[i] = S_{t-1}[i]                            otherwise (no decay, no write),
+
+i.e. GLA with the log decay m_t * g_t (see `layers.gla`). Dense maps have no mask
+(`row_mask` is None) and every row decays. The mask comes from the same top-k selection
+as the activation, not from testing the activation for zero: a kept entry far below the
+largest one can underflow to exactly 0 in the softmax and must still count as kept.
+
+Ties: the selection keeps every entry >= the k-th largest value, so entries tied with
+it are all kept (a few more than k rows); mask and activation use that same rule.
 """
 
 from __future__ import annotations
@@ -14,6 +28,13 @@ import jax
 import jax.numpy as jnp
 
 ACTIVATIONS = ("identity", "silu", "relu", "elu+1", "softmax", "topk-softmax")
+
+
+def _topk_keep(x32: jax.Array) -> jax.Array:
+  """bool [..., Dk]: entries >= the k-th largest over the last axis, k = max(1, Dk // 4)
+  (ties at the threshold all kept)."""
+  kth = jax.lax.top_k(x32, max(1, x32.shape[-1] // 4))[0][..., -1:]
+  return x32 >= kth
 
 
 def activate(name: str, x: jax.Array) -> jax.Array:
@@ -30,7 +51,19 @@ def activate(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
   if name == "topk-softmax":
     x32 = x.astype(jnp.float32)
-    kth = jax.lax.top_k(x32, max(1, x.shape[-1] // 4))[0][..., -1:]
-    # Ties at the threshold may keep a few more than d/4 rows; harmless.
-    return jax.nn.softmax(jnp.where(x32 >= kth, x32, -jnp.inf), axis=-1).astype(x.dtype)
+    masked = jnp.where(_topk_keep(x32), x32, -jnp.inf)
+    return jax.nn.softmax(masked, axis=-1).astype(x.dtype)
   raise ValueError(f"unknown activation {name!r}; choose one of {', '.join(ACTIVATIONS)}")
+
+
+def row_mask(name: str, x: jax.Array) -> jax.Array | None:
+  """The rows a row-sparse feature map keeps: bool [..., Dk] for x [..., Dk] (True on
+  the rows `activate(name, x)` may be nonzero on), or None for a dense map.
+
+  Computed in float32 like `activate`, so the two select the same rows for any dtype.
+  """
+  if name not in ACTIVATIONS:
+    raise ValueError(f"unknown activation {name!r}; choose one of {', '.join(ACTIVATIONS)}")
+  if name == "topk-softmax":
+    return _topk_keep(x.astype(jnp.float32))
+  return None

@@ -2,15 +2,22 @@
 
     q = phi_q(x W_q), k = phi_k(x W_k), v = phi_v(x W_v)   [B, T, H, Dk / Dv]
     g = log_sigmoid(x W_g1 W_g2 + b) / 16                  [B, T, H, Dk]
-    S_t = diag(exp g_t) S_{t-1} + k_t^T v_t,   o_t = Dk^-1/2 q_t S_t   (ops.gla)
+    m = features.row_mask(phi_k, x W_k)  (row-sparse phi_k), else all 1   [B, T, H, Dk]
+    S_t = diag(exp(m_t g_t)) S_{t-1} + k_t^T v_t,   o_t = Dk^-1/2 q_t S_t   (ops.gla)
     y = (RMSNorm_head(o) * silu(x W_gate)) W_o             [B, T, D]
 
 (optionally with a short conv on the projections, see `LinearAttentionConfig`).
+With a dense key map m = 1 and this is plain GLA. With the row-sparse "topk-softmax"
+keys it is the paper's row-sparse GLA (Eq. (7)-(8), Appendix A, Fig. 9): a row outside
+the key's top-k has m_t[i] = 0 and k_t[i] = 0, so S_t[i] = S_{t-1}[i] (identity: no
+decay, no write), and only the selected rows decay and are written.
+
 Its parameters have the same names and shapes as the SSE mixer's minus the router, so
-an SSE layer with num_partitions = 1, top_k = 1, no shared partition and the same feature
-maps (SSE's default keys are softmax, this mixer's identity: set
+an SSE layer with num_partitions = 1, top_k = 1, no shared partition and the same dense
+feature maps (SSE's default keys are softmax, this mixer's identity: set
 key_activation="identity" on the SSE side) computes the same function (its router
-probability is exactly 1).
+probability is exactly 1). With "topk-softmax" keys they differ: the SSE mixer decays
+every row of a written partition.
 """
 
 from __future__ import annotations
@@ -79,10 +86,17 @@ class GLA(LinearMixer):
     c = self.config
     q, k, v, conv = self.qkv(x, None if cache is None else cache.conv,
                              sequences.positions_or_none(cu_seqlens, x.shape[1]))
+    g = self.decay(x)
+    keep = features.row_mask(c.key_activation, k)
+    if keep is not None:
+      # Eq. (8): a row outside the key's top-k keeps its state (log decay 0); its key
+      # entry is 0, so nothing is written either. Every path (full, chunked prefill,
+      # decode step) takes this g, so they agree.
+      g = jnp.where(keep, g, 0.0)
     q = features.activate(c.query_activation, q)
     k = features.activate(c.key_activation, k)
     v = features.activate(c.value_activation, v)
     state = None if cache is None else cache.state
-    o, state = run_gla(q, k, v, self.decay(x), state, impl=c.impl, chunk_size=c.chunk_size,
+    o, state = run_gla(q, k, v, g, state, impl=c.impl, chunk_size=c.chunk_size,
                        decode=cache is not None and x.shape[1] == 1, cu_seqlens=cu_seqlens)
     return o, (None if cache is None else RecurrentCache(state, conv)), None
