@@ -38,7 +38,10 @@ from absl import app
 from absl import flags
 import ml_collections
 
-from experiments import ablation
+from experiments import ablation  # pylint: disable=unused-import (defines --config)
+from experiments import plots
+from experiments import report
+from experiments import sweep
 from sse_jax.train import config as config_lib
 
 FLAGS = flags.FLAGS
@@ -96,14 +99,14 @@ def config_of_command(command: str) -> ml_collections.ConfigDict:
   for t in tokens:
     if t.startswith("--config."):
       key, _, text = t[len("--config."):].partition("=")
-      ablation.set_path(cfg, key, _value(text))
+      sweep.set_path(cfg, key, _value(text))
   return cfg
 
 
 def _trained(cfg, run: str, lr: float, seed: int) -> dict[str, Any]:
   """What run `run` at (lr, seed) of sweep `cfg` computes: the checkpoint fingerprint with
   the model config resolved, plus the held-out data its metric is measured on."""
-  jobs = [j for j in ablation.expand(cfg, pathlib.Path("."))
+  jobs = [j for j in sweep.expand(cfg, pathlib.Path("."))
           if j.run == run and j.lr == lr and j.seed == seed]
   if not jobs:
     raise ValueError(f"sweep {cfg.name} has no run {run!r} at lr {lr:g}, seed {seed}"
@@ -207,8 +210,8 @@ def main(argv):
   out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
   command = "python -m experiments.merge_reports " + " ".join(sys.argv[1:])
-  ablation.write_tables(cfg, rows, out, command)
-  ablation.plot(cfg, rows, out / f"{cfg.name}.png")
+  report.write_tables(cfg, rows, out, command)
+  plots.plot(cfg, rows, out / f"{cfg.name}.png")
   merged = {row["run"] for row in rows}
   missing = [r["name"] for r in cfg.runs if r["name"] not in merged]
   lines = ["", "Sources (each row is that report's row; its command trained it):", ""]

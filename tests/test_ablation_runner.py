@@ -9,6 +9,10 @@ import pytest
 
 from configs import table8
 from experiments import ablation
+from experiments import dispatch
+from experiments import plots
+from experiments import report
+from experiments import sweep
 
 TINY = ["--config.train.num_steps=2", "--config.train.eval_every=1",
         "--config.train.log_every=1", "--config.train.checkpoint_every=2",
@@ -19,7 +23,7 @@ TINY = ["--config.train.num_steps=2", "--config.train.eval_every=1",
 def test_without_drops_flags_in_both_forms():
   argv = ["--config=c.py:cpu", "--workers=4", "--only", "a,b", "--results=r", "--x=1",
           "--report_only", "--noreport_only"]
-  assert ablation._without(argv, ("--workers", "--only", "--results", "--report_only")) == [
+  assert dispatch.without(argv, ("--workers", "--only", "--results", "--report_only")) == [
       "--config=c.py:cpu", "--x=1"]
 
 
@@ -30,9 +34,9 @@ def test_parallel_sweep_trains_every_run_and_reports(tmp_path):
   assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
   cfg = table8.get_config("cpu")
   cfg.train.num_steps = 2
-  jobs = ablation.expand(cfg, tmp_path / cfg.name)
+  jobs = sweep.expand(cfg, tmp_path / cfg.name)
   for job in jobs:  # each child trained its run to the end and logged to train.log
-    summary = ablation.read_summary(job)
+    summary = report.read_summary(job)
     assert summary is not None and summary["step"] == 2, job.dir
     assert (job.dir / "train.log").exists()
   results = json.loads((tmp_path / cfg.name / "results.json").read_text())
@@ -52,14 +56,14 @@ def test_stacked_sweep_trains_each_runs_lrs_and_seeds_in_one_process(tmp_path):
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   cfg = table8.get_config("cpu")
   cfg.train.num_steps, cfg.lrs, cfg.seeds = 2, (0.003, 0.01), (0, 1)
-  jobs = ablation.expand(cfg, tmp_path / cfg.name)
-  groups = ablation.groups_of(jobs, stack=True)
+  jobs = sweep.expand(cfg, tmp_path / cfg.name)
+  groups = sweep.groups_of(jobs, stack=True)
   assert [len(g) for g in groups] == [4] * len(cfg.runs)
-  assert ablation.groups_of(jobs, stack=False) == [[j] for j in jobs]
+  assert sweep.groups_of(jobs, stack=False) == [[j] for j in jobs]
   for group in groups:  # one child per run, its log in the first job's directory
     assert (group[0].dir / "train.log").exists()
     assert not any((j.dir / "train.log").exists() for j in group[1:])
-    summaries = [ablation.read_summary(j) for j in group]
+    summaries = [report.read_summary(j) for j in group]
     assert all(s is not None and s["step"] == 2 for s in summaries), group[0].dir
     losses = {s["eval"]["loss"] for s in summaries}
     assert len(losses) == 4  # four different runs, not one run copied
@@ -75,22 +79,22 @@ def _eval_record(step, loss, accuracy):
 
 def test_unfinished_runs_are_reported_from_their_last_eval(tmp_path):
   cfg = table8.get_config("cpu")
-  shared, separate = ablation.expand(cfg, tmp_path)
+  shared, separate = sweep.expand(cfg, tmp_path)
   separate.dir.mkdir(parents=True)
   records = [_eval_record(50, 3.0, 0.25), _eval_record(75, 2.0, 0.5)]
   (separate.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-  assert ablation.collect(cfg, [shared, separate])[0]["run"] == "separate"
-  row = ablation.collect(cfg, [shared, separate])[0]
+  assert report.collect(cfg, [shared, separate])[0]["run"] == "separate"
+  row = report.collect(cfg, [shared, separate])[0]
   assert not row["finished"] and row["step"] == 75
   assert row["metric"] == 0.5 and row["eval_loss"] == 2.0
   assert [h["step"] for h in row["curves"][0]] == [50, 75]
-  ablation.write_tables(cfg, [row], tmp_path, "cmd")
+  report.write_tables(cfg, [row], tmp_path, "cmd")
   assert f"(unfinished: step 75 of {cfg.train.num_steps})" in (tmp_path / "results.md").read_text()
   # A finished job of the same run takes precedence over the partial log.
   summary = {"step": 100, "finished": True, "eval": _eval_record(100, 1.0, 0.75),
              "history": [], "params": 1}
   (separate.dir / "summary.json").write_text(json.dumps(summary))
-  row = ablation.collect(cfg, [shared, separate])[0]
+  row = report.collect(cfg, [shared, separate])[0]
   assert row["finished"] and row["step"] == 100 and row["metric"] == 0.75
 
 
@@ -128,58 +132,58 @@ def test_compare_runs_overlays_curves(tmp_path):
 def test_several_seeds_report_mean_spread_and_every_seed(tmp_path):
   cfg = table8.get_config("cpu")
   cfg.seeds = (0, 1, 2)
-  jobs = [j for j in ablation.expand(cfg, tmp_path) if j.run == "shared"]
+  jobs = [j for j in sweep.expand(cfg, tmp_path) if j.run == "shared"]
   for job, acc in zip(jobs, (0.2, 0.9, 0.4)):
     job.dir.mkdir(parents=True)
     summary = {"step": 100, "finished": True, "eval": _eval_record(100, 1.0 - acc, acc),
                "history": [{"step": 100, "eval_accuracy": acc}], "params": 1}
     (job.dir / "summary.json").write_text(json.dumps(summary))
-  (row,) = ablation.collect(cfg, jobs)
+  (row,) = report.collect(cfg, jobs)
   assert row["seeds"] == 3 and row["values"] == [0.2, 0.9, 0.4]
   assert row["metric"] == pytest.approx(0.5) and row["metric_std"] == pytest.approx(0.2944, abs=1e-4)
   assert len(row["curves"]) == 3
-  ablation.write_tables(cfg, [row], tmp_path, "cmd")
+  report.write_tables(cfg, [row], tmp_path, "cmd")
   table = (tmp_path / "results.md").read_text()
   assert "| per seed |" in table
   assert "| 0.5000 ± 0.2944 | s0 0.200 / s1 0.900 / s2 0.400 |" in table
   # A seed that did not report is missing by number, not shifted onto another.
   (jobs[1].dir / "summary.json").unlink()
-  (row,) = ablation.collect(cfg, jobs)
+  (row,) = report.collect(cfg, jobs)
   assert row["seeds_used"] == [0, 2] and row["values"] == [0.2, 0.4]
-  ablation.write_tables(cfg, [row], tmp_path, "cmd")
+  report.write_tables(cfg, [row], tmp_path, "cmd")
   table = (tmp_path / "results.md").read_text()
   assert "| s0 0.200 / s2 0.400 |" in table
   assert "(1 of 3 lr/seed jobs not finished)" in table and "from its finished jobs" in table
   assert row["jobs_missing"] == 1 and row["lr_seeds"] == {jobs[0].lr: [0, 2]}
-  ablation.plot(cfg, [row], tmp_path / "fig.png")
+  plots.plot(cfg, [row], tmp_path / "fig.png")
   assert (tmp_path / "fig.png").stat().st_size > 0
 
 
 def test_a_finished_run_of_other_length_or_config_is_refused(tmp_path):
   cfg = table8.get_config("cpu")
-  jobs = ablation.expand(cfg, tmp_path)
+  jobs = sweep.expand(cfg, tmp_path)
   jobs[0].dir.mkdir(parents=True)
   summary = {"step": cfg.train.num_steps // 2, "finished": True,
              "eval": _eval_record(1, 1.0, 0.5), "history": []}
   (jobs[0].dir / "summary.json").write_text(json.dumps(summary))
-  with pytest.raises(ablation.app.UsageError, match="use another --workdir"):
-    ablation.check_finished_runs(jobs)
+  with pytest.raises(sweep.app.UsageError, match="use another --workdir"):
+    sweep.check_finished_runs(jobs)
   summary["step"] = cfg.train.num_steps
   (jobs[0].dir / "summary.json").write_text(json.dumps(summary))
-  ablation.check_finished_runs(jobs)  # the same length: fine
+  sweep.check_finished_runs(jobs)  # the same length: fine
   # Its config.json (as the trainer writes it) agrees: fine; another batch size or
   # model width: refused, naming the field; a run-control field (eval_every): fine.
   saved = jobs[0].dir / "config.json"
   saved.write_text(jobs[0].config.to_json_best_effort(indent=2, sort_keys=True))
-  ablation.check_finished_runs(jobs)
+  sweep.check_finished_runs(jobs)
   for path, value in (("batch_size", 3), ("model.hidden", 24)):
-    other = ablation.expand(cfg, tmp_path)
-    ablation.set_path(other[0].config, path, value)
-    with pytest.raises(ablation.app.UsageError, match=path.replace(".", r"\.")):
-      ablation.check_finished_runs(other)
-  other = ablation.expand(cfg, tmp_path)
+    other = sweep.expand(cfg, tmp_path)
+    sweep.set_path(other[0].config, path, value)
+    with pytest.raises(sweep.app.UsageError, match=path.replace(".", r"\.")):
+      sweep.check_finished_runs(other)
+  other = sweep.expand(cfg, tmp_path)
   other[0].config.eval_every = 7
-  ablation.check_finished_runs(other)
+  sweep.check_finished_runs(other)
 
 
 def test_serial_sweep_goes_on_after_a_failed_run_and_reports_when_interrupted(
@@ -203,13 +207,13 @@ def test_serial_sweep_goes_on_after_a_failed_run_and_reports_when_interrupted(
     (job.dir / "summary.json").write_text(json.dumps(summary))
 
   cfg = table8.get_config("cpu")
-  jobs = ablation.expand(cfg, tmp_path)
-  monkeypatch.setattr(ablation, "train_group", fake_train)
-  failed = ablation.train_serially([[j] for j in jobs][::-1])  # the failing run first
+  jobs = sweep.expand(cfg, tmp_path)
+  monkeypatch.setattr(dispatch, "train_group", fake_train)
+  failed = dispatch.train_serially([[j] for j in jobs][::-1])  # the failing run first
   assert calls == [j.run for j in jobs][::-1]
-  assert failed == [ablation._job_id(j) for j in jobs if j.run == "separate"]
+  assert failed == [sweep.job_id(j) for j in jobs if j.run == "separate"]
 
-  monkeypatch.setattr(ablation, "train_group",
+  monkeypatch.setattr(dispatch, "train_group",
                       lambda g: fake_train(g, fail=(), interrupt=("separate",)))
   argv = ["ablation", "--config=configs/table8.py:cpu", f"--workdir={tmp_path / 'w'}"]
   with flagsaver.flagsaver():
