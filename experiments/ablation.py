@@ -10,7 +10,8 @@ whose summary.json exists is skipped, so an interrupted sweep resumes where it s
 train at once in child processes (logs in each run's train.log). With --stack, the
 learning rates and seeds of one run train as one vmapped program (one process, or one
 child, per run; each still gets its own run directory). At the end the sweep
-directory receives results.json, results.csv, results.md and <sweep>.png; with
+directory receives results.json, results.csv, results.md and <sweep>.png (and, when
+the config names `controls`, a verdict at the end of results.md: `verdict`); with
 --results=DIR they are copied there too.
 
 Per run, the learning rate with the lowest final eval loss (mean over seeds) is kept
@@ -33,6 +34,7 @@ from experiments import dispatch
 from experiments import plots
 from experiments import report
 from experiments import sweep
+from experiments import verdict
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Experiment config file, e.g."
@@ -56,6 +58,55 @@ read_summary, collect, write_tables = report.read_summary, report.collect, repor
 plot = plots.plot
 
 
+def train_only_jobs(jobs: list[sweep.Job]) -> None:
+  """--job (a child of --workers): trains the named jobs, as one group."""
+  by_id = {sweep.job_id(j): j for j in jobs}
+  unknown = [i for i in FLAGS.job if i not in by_id]
+  if unknown:
+    raise app.UsageError(f"--job: no such run {unknown} in {FLAGS.config.name}; runs: "
+                         + ", ".join(by_id))
+  dispatch.train_group([by_id[i] for i in FLAGS.job])
+
+
+def train_pending(jobs: list[sweep.Job]) -> tuple[list[str], bool]:
+  """Trains the jobs of --only (all by default) that have not finished; returns the
+  failed job ids and whether training was interrupted (Ctrl-C)."""
+  todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
+  pending = [j for j in todo if report.read_summary(j) is None]
+  if len(pending) < len(todo):
+    print(f"{len(todo) - len(pending)} of {len(todo)} runs already finished: skipped",
+          flush=True)
+  groups = sweep.groups_of(pending, FLAGS.stack)
+  try:
+    if FLAGS.workers > 1 and len(groups) > 1:
+      return dispatch.train_in_parallel(groups, FLAGS.workers), False
+    return dispatch.train_serially(groups), False
+  except KeyboardInterrupt:
+    # Still report what finished (and how far the rest got), then exit as interrupted.
+    print("interrupted: reporting the runs so far", flush=True)
+    return [], True
+
+
+def write_report(cfg, jobs: list[sweep.Job], root: pathlib.Path, command: str) -> None:
+  """results.json / .csv / .md, the figure and, with controls, the verdict in root."""
+  rows = report.collect(cfg, jobs)
+  if not rows:
+    raise SystemExit(f"no finished runs under {root}")
+  report.write_tables(cfg, rows, root, command)
+  plots.plot(cfg, rows, root / f"{cfg.name}.png")
+  lines = verdict.verdict(cfg, rows, root / "results.md", root / f"{cfg.name}.png")
+  if lines:
+    with open(root / "results.md", "a") as f:
+      f.write("\n".join(["", "## Verdict", "", *lines]) + "\n")
+  print((root / "results.md").read_text())
+  if FLAGS.results:
+    dest = pathlib.Path(FLAGS.results)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("results.json", "results.csv", "results.md", f"{cfg.name}.png"):
+      shutil.copy(root / name, dest / name)
+    print(f"copied the report to {dest}")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # checkpointing logs every save at INFO
@@ -72,12 +123,7 @@ def main(argv):
   root.mkdir(parents=True, exist_ok=True)
   jobs = sweep.expand(cfg, root)
   if FLAGS.job:
-    by_id = {sweep.job_id(j): j for j in jobs}
-    unknown = [i for i in FLAGS.job if i not in by_id]
-    if unknown:
-      raise app.UsageError(f"--job: no such run {unknown} in {cfg.name}; runs: "
-                           + ", ".join(by_id))
-    dispatch.train_group([by_id[i] for i in FLAGS.job])
+    train_only_jobs(jobs)
     return
   names = {j.run for j in jobs}
   unknown = [n for n in FLAGS.only if n not in names]
@@ -86,35 +132,8 @@ def main(argv):
   sweep.check_finished_runs(jobs)
   command = "python -m experiments.ablation " + " ".join(  # what reproduces the runs
       dispatch.without(sys.argv[1:], ("--workdir", "--report_only", "--workers")))
-  failed, interrupted = [], False
-  if not FLAGS.report_only:
-    todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
-    pending = [j for j in todo if report.read_summary(j) is None]
-    if len(pending) < len(todo):
-      print(f"{len(todo) - len(pending)} of {len(todo)} runs already finished: skipped",
-            flush=True)
-    groups = sweep.groups_of(pending, FLAGS.stack)
-    try:
-      if FLAGS.workers > 1 and len(groups) > 1:
-        failed = dispatch.train_in_parallel(groups, FLAGS.workers)
-      else:
-        failed = dispatch.train_serially(groups)
-    except KeyboardInterrupt:
-      # Still report what finished (and how far the rest got), then exit as interrupted.
-      interrupted = True
-      print("interrupted: reporting the runs so far", flush=True)
-  rows = report.collect(cfg, jobs)
-  if not rows:
-    raise SystemExit(f"no finished runs under {root}")
-  report.write_tables(cfg, rows, root, command)
-  plots.plot(cfg, rows, root / f"{cfg.name}.png")
-  print((root / "results.md").read_text())
-  if FLAGS.results:
-    dest = pathlib.Path(FLAGS.results)
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("results.json", "results.csv", "results.md", f"{cfg.name}.png"):
-      shutil.copy(root / name, dest / name)
-    print(f"copied the report to {dest}")
+  failed, interrupted = ([], False) if FLAGS.report_only else train_pending(jobs)
+  write_report(cfg, jobs, root, command)
   if interrupted:
     raise SystemExit(130)
   if failed:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Callable, NamedTuple
 
+from experiments import report
+
 Rows = list[dict[str, Any]]
 
 
@@ -58,7 +60,7 @@ def plot(cfg, rows: Rows, path: pathlib.Path) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=8)
-  learning_curves(axes[n], cfg, rows, plt.cm.tab20.colors)
+  learning_curves(axes[n], cfg, rows)
   fig.suptitle(f"{cfg.name}: {cfg.description}" + (f"\n{note}" if note else ""),
                fontsize=10)
   fig.tight_layout()
@@ -66,14 +68,21 @@ def plot(cfg, rows: Rows, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def learning_curves(ax, cfg, rows: Rows, colors) -> None:
+def run_color(i: int):
+  """The colour of the i-th run in the panels that draw every run (tab20, cycled)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  colors = matplotlib.colormaps["tab20"].colors
+  return colors[i % len(colors)]
+
+
+def learning_curves(ax, cfg, rows: Rows) -> None:
   """cfg.metric against step for every seed of every run, one colour per run."""
   for i, r in enumerate(rows):
     for j, history in enumerate(r["curves"]):
-      steps = [h["step"] for h in history if cfg.metric in h]
-      ax.plot(steps, [h[cfg.metric] for h in history if cfg.metric in h],
-              label=r["run"] if j == 0 else None, linewidth=1,
-              color=colors[i % len(colors)])
+      pts = [(h["step"], report.curve_value(h, cfg.metric)) for h in history]
+      pts = [p for p in pts if p[1] is not None]
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r["run"] if j == 0 else None,
+              linewidth=1, color=run_color(i))
   ax.set_xlabel("step")
   ax.set_ylabel(f"{cfg.metric.replace('_', ' ')} (learning curves"
                 + (", every seed)" if len(cfg.seeds) > 1 else ")"))
@@ -88,6 +97,41 @@ def seed_dots(ax, rows: Rows, x_of, color, shift=1.0) -> None:
   if pts:
     ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, alpha=0.6, color=color,
                zorder=3)
+
+
+def levels(ax, rows: Rows, name_of) -> None:
+  """Each row's metric as a dashed horizontal reference, named at the left edge."""
+  for r in rows:
+    ax.axhline(r["metric"], linestyle="--", linewidth=1, color="gray")
+    # x in axes coordinates: at the left edge whatever the x range.
+    ax.text(0.01, r["metric"], f" {name_of(r)}", va="bottom", fontsize=8,
+            transform=ax.get_yaxis_transform())
+
+
+def has_pairs(rows: Rows) -> bool:
+  return any(r.get("accuracy_by_pairs") for r in rows)
+
+
+def accuracy_vs_pairs(ax, rows: Rows) -> None:
+  """Accuracy on the test set of each evaluated pair count P, one line per run (mean over
+  seeds, std error bars; run colours as in the learning curves)."""
+  for i, r in enumerate(rows):
+    stats = [(int(p), report.mean_std(v)) for p, v in (r.get("accuracy_by_pairs") or {}).items()]
+    stats = sorted((p, m) for p, m in stats if m is not None)
+    if stats:
+      ax.errorbar([p for p, _ in stats], [m[0] for _, m in stats], [m[1] for _, m in stats],
+                  fmt="o-", markersize=4, capsize=2, linewidth=1, label=r["run"],
+                  color=run_color(i))
+  if not has_pairs(rows):
+    ax.text(0.5, 0.5, "no accuracy by pair count\n(the runs have no eval_pairs)",
+            ha="center", va="center", transform=ax.transAxes)
+  ax.set_xscale("log", base=2)
+  pairs = sorted({int(p) for r in rows for p in r.get("accuracy_by_pairs") or {}})
+  if pairs:  # the evaluated P as plain numbers, not powers of 2
+    ax.set_xticks(pairs, [str(p) for p in pairs])
+    ax.minorticks_off()
+  ax.set_xlabel("pair count P (held-out test sets)")
+  ax.set_ylabel("accuracy")
 
 
 @register("vs_partitions")
@@ -113,24 +157,27 @@ def vs_partitions(cfg, rows: Rows, axes) -> None:
       if late:  # unfinished runs: hollow markers
         ax.plot([p[0] for p in late], [p[1] for p in late], style[0], markersize=9,
                 markerfacecolor="white", color=line[0].get_color(), zorder=3)
-  for r in rows:
-    if "baseline" in r["labels"]:
-      ax.axhline(r["metric"], linestyle="--", linewidth=1, color="gray")
-      # x in axes coordinates: at the left edge whichever N the sweep has.
-      ax.text(0.01, r["metric"], f" {r['labels']['baseline']}", va="bottom", fontsize=8,
-              transform=ax.get_yaxis_transform())
+  levels(ax, [r for r in rows if "baseline" in r["labels"]],
+         lambda r: r["labels"]["baseline"])
   ax.set_xscale("log", base=2)
   ax.set_xlabel("number of partitions N")
+
+
+VARIANT_MARKERS = {"dense": "o", "dense-softmax": "^", "top-k": "s"}
 
 
 @register("vs_width")
 def vs_width(cfg, rows: Rows, axes) -> None:
   """Fig. 9 (labels width, variant, gap): the metric against model width, one line per
-  variant and gap kind."""
+  variant present ("dense", "dense-softmax", "top-k", then any other) and gap kind
+  (zero solid, noise dashed)."""
   del cfg
   (ax,) = axes
+  present = {r["labels"].get("variant") for r in rows} - {None}
+  variants = [v for v in VARIANT_MARKERS if v in present] + sorted(present - set(VARIANT_MARKERS))
   for gap, style in (("zero", "-"), ("noise", "--")):
-    for variant, marker in (("dense", "o"), ("top-k", "s")):
+    for variant in variants:
+      marker = VARIANT_MARKERS.get(variant, "D")
       mine = sorted((r for r in rows if r["labels"].get("gap") == gap
                      and r["labels"].get("variant") == variant),
                     key=lambda r: r["labels"]["width"])
@@ -143,11 +190,13 @@ def vs_width(cfg, rows: Rows, axes) -> None:
   ax.set_xlabel("model width")
 
 
-@register("bars")
+@register("bars", panels=lambda rows: 2 if has_pairs(rows) else 1)
 def bars(cfg, rows: Rows, axes) -> None:
   """Tables 6-8: one bar per run (label variant, else the run name); white bars are
-  unfinished runs."""
-  (ax,) = axes
+  unfinished runs. With accuracy by pair count, a second panel: accuracy vs P."""
+  ax = axes[0]
+  if len(axes) > 1:
+    accuracy_vs_pairs(axes[1], rows)
   names = [r["labels"].get("variant", r["run"]) for r in rows]
   ax.bar(range(len(rows)), [r["metric"] for r in rows],
          yerr=[r["metric_std"] for r in rows], capsize=3,
@@ -162,3 +211,55 @@ def bars(cfg, rows: Rows, axes) -> None:
   if paper:
     ax.set_title("paper (real-retrieval avg.): "
                  + ", ".join(f"{k} {v}" for k, v in paper.items()), fontsize=7)
+
+
+def _line(ax, rows: Rows, x_key: str, color, label: str, hollow: bool = False) -> None:
+  """The rows' metric (mean, std error bars, every seed as a dot) against row[x_key]:
+  solid with filled markers, or dotted with hollow ones."""
+  mine = sorted(rows, key=lambda r: r[x_key])
+  ax.errorbar([r[x_key] for r in mine], [r["metric"] for r in mine],
+              [r["metric_std"] for r in mine], fmt="o:" if hollow else "o-", capsize=3,
+              color=color, markerfacecolor="white" if hollow else color, label=label)
+  seed_dots(ax, mine, lambda r: r[x_key], color)
+
+
+@register("capacity", panels=2)
+def capacity(cfg, rows: Rows, axes) -> str | None:
+  """Capacity-bound MQAR (labels family, and line for SSE variants): panel 1, the metric
+  (accuracy at the largest evaluated P) against recurrent state floats per layer: GLA
+  controls as one line; each SSE `line` at its active state (filled, solid) and, in the
+  same colour, at its total state (hollow, dotted); the Transformer as a dashed level.
+  Panel 2: accuracy vs pair count P, one line per run."""
+  ax, ax_pairs = axes
+  family = lambda r: r["labels"].get("family")
+  sized = [r for r in rows if r.get("state_floats_active") is not None]
+  gla = [r for r in sized if family(r) == "gla"]
+  if gla:
+    _line(ax, gla, "state_floats_active", "black", "GLA")
+  groups: dict[str, Rows] = {}
+  for r in sized:
+    if family(r) not in ("gla", "transformer"):
+      # a row without a family label (e.g. merged from an older report) by its name
+      name = r["labels"].get("line", family(r) or r["run"])
+      groups.setdefault(str(name), []).append(r)
+  for i, (name, mine) in enumerate(groups.items()):
+    color = f"C{i}"
+    if all(r["state_floats_total"] == r["state_floats_active"] for r in mine):
+      _line(ax, mine, "state_floats_active", color, name)  # all its state is active
+      continue
+    _line(ax, mine, "state_floats_active", color, f"{name} (active state)")
+    _line(ax, mine, "state_floats_total", color, f"{name} (total state)", hollow=True)
+  late = [r for r in sized if not r["finished"] and family(r) != "transformer"]
+  if late:  # unfinished: their value is their last evaluation
+    ax.plot([r["state_floats_active"] for r in late], [r["metric"] for r in late], "x",
+            color="red", markersize=9, zorder=4, label="unfinished (last eval)")
+  levels(ax, [r for r in rows if family(r) == "transformer"], lambda r: r["run"])
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("recurrent state floats per layer")
+  accuracy_vs_pairs(ax_pairs, rows)
+  largest = report.rows_largest_pairs(rows)
+  if largest is None:
+    return None
+  if cfg.metric == report.MAX_PAIRS_ACCURACY:
+    return f"{cfg.metric}: accuracy on the held-out test set of the largest P = {largest}"
+  return f"largest evaluated pair count P = {largest} (panel 2)"
