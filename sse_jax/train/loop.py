@@ -9,9 +9,12 @@ gradient norm stops the run with NonFiniteLossError before it can be checkpointe
 
 Resuming: if workdir/checkpoints has a step, the state, the data iterator and the
 host-side accumulators (partial log and eval windows) are restored from the latest, after
-checking that the checkpoint belongs to this config (see checkpoint.py); the run then
-computes exactly what the uninterrupted run would have (bitwise on CPU), and
-metrics.jsonl reads as one run. A finished run returns its summary without training.
+checking that its files are intact (checksums recorded when it was saved) and that it
+belongs to this config (see checkpoint.py); the run then computes exactly what the
+uninterrupted run would have (bitwise on CPU), and metrics.jsonl reads as one run. A
+finished run returns its summary without training. A checkpoint that cannot be saved
+(disk full, read-only) stops the run with a CheckpointError as soon as it is noticed
+(single process: at the next step).
 
 `Run` holds one run's host side; `train_lockstep` is the step loop above, for one run
 or for several stepped together (`sse_jax.train.stacked`).
@@ -33,7 +36,7 @@ from sse_jax.model import count_params
 from sse_jax.train import config as config_lib
 from sse_jax.train import metrics as metrics_lib
 from sse_jax.train import program as program_lib
-from sse_jax.train.checkpoint import Checkpoints
+from sse_jax.train.checkpoint import CheckpointError, Checkpoints
 from sse_jax.train.logs import MetricsLog, Progress
 
 CHECKED = ("loss", "grad_norm")  # a non-finite value of these stops the run
@@ -268,6 +271,7 @@ def train_lockstep(runs: list[Run], advance: Callable[[], Any],
     step += 1
     for run in runs:
       run.step = step
+      run.checkpoints.poll()  # a failed background save stops the run now
     if pending is not None:
       settle(*pending)
     pending = (step, device_metrics)
@@ -300,6 +304,37 @@ def train_lockstep(runs: list[Run], advance: Callable[[], Any],
     run.checkpoints.wait()
 
 
+def prepare_workdir(workdir: str) -> None:
+  """Creates `workdir` and checks that files can be written in it, so that a workdir
+  under a file or on a read-only file system is one line now rather than a traceback
+  from whichever writer comes first."""
+  # One name per process: processes on other hosts may share the workdir (and a pid).
+  probe = os.path.join(workdir, f".write_test.{jax.process_index()}.{os.getpid()}")
+  doing = "creating it"
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    doing = "creating a file in it"
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    blocker = _file_in_the_way(workdir)
+    why = (f"{blocker} is a file, not a directory" if blocker else
+           f"{e.strerror or e} ({doing})")
+    raise CheckpointError(f"cannot use workdir {workdir}: {why}") from None
+
+
+def _file_in_the_way(path: str) -> str | None:
+  """`path` or the first of its parents that exists, if that is not a directory."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    parent = os.path.dirname(path)
+    if parent == path:
+      return None
+    path = parent
+  return None if os.path.isdir(path) else path
+
+
 def write_summary(run: Run, summary: dict[str, Any]) -> None:
   """workdir/summary.json, once the run is finished (its presence marks it done)."""
   if run.lead and summary["finished"]:
@@ -323,11 +358,12 @@ def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None
   periodic checkpoints stay; no final eval / checkpoint / summary.json); for tests and
   drills of the resume path.
   Raises NonFiniteLossError on a non-finite loss, CheckpointError on a checkpoint that
-  cannot be resumed, ValueError on a bad config.
+  cannot be resumed (another run's, damaged), a checkpoint that cannot be saved (the run
+  stops there) or a workdir that cannot be written, ValueError on a bad config.
   """
   config = _as_config(config)
   config_lib.validate(config)
-  os.makedirs(workdir, exist_ok=True)
+  prepare_workdir(workdir)
   program = program_lib.build(config)
   run = Run(config, workdir, program)
   try:

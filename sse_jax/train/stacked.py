@@ -32,7 +32,6 @@ away).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import jax
@@ -44,7 +43,8 @@ from sse_jax.train import config as config_lib
 from sse_jax.train import optim
 from sse_jax.train import program as program_lib
 from sse_jax.train import steps
-from sse_jax.train.loop import Run, _as_config, train_lockstep, write_summary
+from sse_jax.train.loop import (Run, _as_config, prepare_workdir, train_lockstep,
+                                 write_summary)
 
 VARYING = ("lr", "seed")  # the only fields stacked runs may differ in
 
@@ -111,7 +111,7 @@ def train_stacked(configs: Sequence[Any], workdirs: Sequence[str], *,
     config_lib.validate(c)
   check_stackable(configs)
   for w in workdirs:
-    os.makedirs(w, exist_ok=True)
+    prepare_workdir(str(w))
   # One program per run for its init (the seed) and checkpoint layout; all share the
   # first one's eval step, so it compiles once.
   programs = [program_lib.build(c) for c in configs]
