@@ -45,10 +45,12 @@ flags.DEFINE_list("only", [], "Run only these run names (the report covers all f
 flags.DEFINE_bool("report_only", False, "Only rebuild the report from finished runs.")
 flags.DEFINE_integer("workers", 1, "Runs trained at once, each in its own process: a small"
                      " model leaves a GPU mostly idle. On GPU each process may take"
-                     " 0.9 / workers of the device memory.")
+                     " 0.9 / workers of the device memory. Default: the config's"
+                     " `workers` where it has one.")
 flags.DEFINE_bool("stack", False, "Train each run's learning rates and seeds together as"
                   " one vmapped program (sse_jax.train.train_stacked), one process per"
-                  " run: small models cost about one run's kernel launches for all.")
+                  " run: small models cost about one run's kernel launches for all."
+                  " Default: the config's `stack` where it has one.")
 flags.DEFINE_list("job", [], "(internal) train these runs <run>/lr<lr>_s<seed> (several:"
                   " stacked) and exit.")
 
@@ -68,6 +70,14 @@ def train_only_jobs(jobs: list[sweep.Job]) -> None:
   dispatch.train_group([by_id[i] for i in FLAGS.job])
 
 
+def setting(cfg, name: str):
+  """--stack / --workers when given on the command line, else the config's own value
+  (a config knows what its models need), else the flag's default."""
+  if FLAGS[name].present or name not in cfg:
+    return FLAGS[name].value
+  return cfg[name]
+
+
 def train_pending(jobs: list[sweep.Job]) -> tuple[list[str], bool]:
   """Trains the jobs of --only (all by default) that have not finished; returns the
   failed job ids and whether training was interrupted (Ctrl-C)."""
@@ -76,10 +86,12 @@ def train_pending(jobs: list[sweep.Job]) -> tuple[list[str], bool]:
   if len(pending) < len(todo):
     print(f"{len(todo) - len(pending)} of {len(todo)} runs already finished: skipped",
           flush=True)
-  groups = sweep.groups_of(pending, FLAGS.stack)
+  cfg = FLAGS.config
+  groups = sweep.groups_of(pending, setting(cfg, "stack"))
+  workers = setting(cfg, "workers")
   try:
-    if FLAGS.workers > 1 and len(groups) > 1:
-      return dispatch.train_in_parallel(groups, FLAGS.workers), False
+    if workers > 1 and len(groups) > 1:
+      return dispatch.train_in_parallel(groups, workers), False
     return dispatch.train_serially(groups), False
   except KeyboardInterrupt:
     # Still report what finished (and how far the rest got), then exit as interrupted.
@@ -113,8 +125,8 @@ def main(argv):
   cfg = FLAGS.config
   if cfg is None:
     raise app.UsageError("--config is required, e.g. --config=configs/fig7.py:cpu")
-  if FLAGS.workers < 1:
-    raise app.UsageError(f"--workers={FLAGS.workers}: must be >= 1")
+  if setting(cfg, "workers") < 1:
+    raise app.UsageError(f"--workers={setting(cfg, 'workers')}: must be >= 1")
   try:
     plots.figure_of(cfg.figure)  # before training, not after hours of it
   except ValueError as e:

@@ -225,7 +225,8 @@ def _line(ax, rows: Rows, x_key: str, color, label: str, hollow: bool = False) -
 
 @register("capacity", panels=2)
 def capacity(cfg, rows: Rows, axes) -> str | None:
-  """Capacity-bound MQAR (labels family, and line for SSE variants): panel 1, the metric
+  """Capacity-bound MQAR (labels family, and line -- a name or a list of names -- for SSE
+  variants): panel 1, the metric
   (accuracy at the largest evaluated P) against recurrent state floats per layer: GLA
   controls as one line; each SSE `line` at its active state (filled, solid) and, in the
   same colour, at its total state (hollow, dotted); the Transformer as a dashed level.
@@ -239,9 +240,11 @@ def capacity(cfg, rows: Rows, axes) -> str | None:
   groups: dict[str, Rows] = {}
   for r in sized:
     if family(r) not in ("gla", "transformer"):
-      # a row without a family label (e.g. merged from an older report) by its name
-      name = r["labels"].get("line", family(r) or r["run"])
-      groups.setdefault(str(name), []).append(r)
+      # `line`: one name or a list (N = 1, k = 1 starts every line); a row without
+      # one (e.g. merged from an older report) goes by its family or name
+      names = r["labels"].get("line", family(r) or r["run"])
+      for name in names if isinstance(names, (list, tuple)) else [names]:
+        groups.setdefault(str(name), []).append(r)
   for i, (name, mine) in enumerate(groups.items()):
     color = f"C{i}"
     if all(r["state_floats_total"] == r["state_floats_active"] for r in mine):

@@ -7,7 +7,9 @@ import pathlib
 
 import pytest
 
-from experiments import ablation
+from experiments import plots
+from experiments import report
+from experiments import sweep
 from sse_jax import train as train_lib
 from sse_jax.train import config as config_lib
 
@@ -25,7 +27,7 @@ def test_every_run_builds_a_valid_model(name, variant, tmp_path):
   trainer's checks and builds a valid model."""
   cfg = _config(name, variant)
   assert cfg.name == f"{name}_{variant or 'gpu'}"
-  jobs = ablation.expand(cfg, tmp_path)
+  jobs = sweep.expand(cfg, tmp_path)
   assert len(jobs) == len(cfg.runs) * len(cfg.lrs) * len(cfg.seeds) > 1
   assert len({j.dir for j in jobs}) == len(jobs)
   for job in jobs:
@@ -40,7 +42,7 @@ def test_one_training_step_end_to_end(name, tmp_path):
   both gap modes and widths, dense and top-k) train one step through the runner's
   code, and the report (tables and figure) is drawn from them."""
   cfg = _config(name)
-  jobs = ablation.expand(cfg, tmp_path)
+  jobs = sweep.expand(cfg, tmp_path)
   picked = [jobs[0], jobs[-1]]
   assert picked[0].run != picked[1].run
   for job in picked:
@@ -52,16 +54,18 @@ def test_one_training_step_end_to_end(name, tmp_path):
     saved = json.loads((job.dir / "summary.json").read_text())
     assert saved["eval"]["loss"] == pytest.approx(summary["eval"]["loss"])
     assert 0 < saved["eval"]["loss"] < 20
-  rows = ablation.collect(cfg, picked)
+  rows = report.collect(cfg, picked)
   assert [r["run"] for r in rows] == [j.run for j in picked]
   out = tmp_path / "report"
   out.mkdir()
-  ablation.write_tables(cfg, rows, out, "cmd")
-  ablation.plot(cfg, rows, out / "fig.png")
+  report.write_tables(cfg, rows, out, "cmd")
+  plots.plot(cfg, rows, out / "fig.png")
   results = json.loads((out / "results.json").read_text())
   assert [r["run"] for r in results["rows"]] == [j.run for j in picked]
+  largest = str(max(cfg.train.eval_pairs))
   assert [r["metric"] for r in results["rows"]] == [
-      json.loads((j.dir / "summary.json").read_text())["eval"]["accuracy"] for j in picked]
+      json.loads((j.dir / "summary.json").read_text())["eval"]["by_pairs"][largest]["accuracy"]
+      for j in picked]
   table = (out / "results.md").read_text()
   assert all(f"| {j.run} |" in table for j in picked), table
   assert len((out / "results.csv").read_text().strip().splitlines()) == 3
