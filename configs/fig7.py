@@ -60,21 +60,26 @@ def setting(variant: str) -> ml_collections.ConfigDict:
     s.data_workers = 0
     s.workers = 2                     # two runs at once, one per core
   else:
+    # The first GPU setting tried (T = 256, P 4..64, vocab 8192, 4000 steps, results/
+    # fig7/README.md) trained ~10x too slowly for three seeds (the 8192-way logits of
+    # every position dominated) and was still on the plateau at 1000-2500 steps; this
+    # one is the CPU setting at twice the length, with the small key dim the GPU
+    # kernels support (16) at twice the largest P of the CPU's 8.
     s.hidden = 128
     s.num_heads = 2
     s.layers = 2
     s.key_dim = 16
-    s.gla_key_dims = (16, 32, 64, 128, 256)
-    s.vocab_size = 8192
-    s.seq_len = 256
-    s.min_pairs = 4
-    s.max_pairs = 64
-    s.eval_pairs = (8, 16, 32, 64)
+    s.gla_key_dims = (16, 32, 64, 128)
+    s.vocab_size = 512
+    s.seq_len = 64
+    s.min_pairs = 2
+    s.max_pairs = 16
+    s.eval_pairs = (4, 8, 16)
     s.batch_size = 128
-    s.num_steps = 4000
-    s.warmup_steps = 200
-    s.eval_every = 500
-    s.lrs = (1e-3, 3e-3)
+    s.num_steps = 3000
+    s.warmup_steps = 150
+    s.eval_every = 250
+    s.lrs = (3e-3,)                   # chosen on the validation loss of the first setting
     s.seeds = (0, 1, 2)
     s.sse_runs = ((1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1),
                   (16, 4), (16, 8), (32, 1), (32, 8), (32, 16))
@@ -83,7 +88,7 @@ def setting(variant: str) -> ml_collections.ConfigDict:
     s.sse_impl = "pallas_masking"
     s.gla_impl = "pallas_chunk"
     s.compute_dtype = "bfloat16"
-    s.data_workers = 2
+    s.data_workers = 1
     s.workers = 6                     # small models: six processes share the GPU
   return s
 
