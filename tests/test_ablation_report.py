@@ -6,6 +6,7 @@ import json
 
 from absl.testing import flagsaver
 import matplotlib
+import ml_collections
 import pytest
 
 from configs import common
@@ -19,7 +20,14 @@ from sse_jax.train import logs
 
 matplotlib.use("Agg")
 
-S = common.size("cpu")  # hidden 32, 2 heads: Dk = Dv = 16, one GLA state 2*16*16 = 512
+# A setting like the configs' (`configs/fig7.setting`): hidden 32, 2 heads, key dim
+# None = D / H: Dk = Dv = 16, one GLA state 2*16*16 = 512.
+S = ml_collections.ConfigDict(dict(
+    variant="cpu", hidden=32, num_heads=2, layers=2, key_dim=None, vocab_size=64,
+    seq_len=32, min_pairs=1, max_pairs=4, eval_pairs=(4, 8), batch_size=16,
+    num_steps=100, warmup_steps=10, eval_every=50, lrs=(3e-3,), seeds=(0,),
+    chunk_size=16, sse_impl="varlen", gla_impl="chunk", compute_dtype="float32",
+    data_workers=0, workers=1))
 LRS = (1e-3, 3e-3)      # the fake runs make 3e-3 the lower-loss (chosen) lr
 
 # run -> (per-seed accuracy at P=4, at P=8) at the chosen lr
@@ -49,9 +57,8 @@ def _config(controls=None):
           common.run("GA", {}, model=common.model(S, "GA")),
           common.run("kept", dict(family="custom"))]
   cfg = common.experiment("cap", S, base, runs, figure="capacity",
-                          metric="max_pairs_accuracy", description="capacity test",
-                          seeds=(0, 1))
-  cfg.lrs = LRS
+                          metric="max_pairs_accuracy", description="capacity test")
+  cfg.lrs, cfg.seeds = LRS, (0, 1)
   if controls is not None:
     cfg.controls = controls
   return cfg
