@@ -31,6 +31,7 @@ from typing import Any
 
 import ml_collections
 
+from pallas_kernels import chunk_gla
 from sse_jax import train as train_lib
 
 VARIANTS = ("gpu", "cpu")
@@ -67,8 +68,13 @@ def sse_mixer(s, **overrides) -> dict[str, Any]:
 
 
 def gla_mixer(s, **overrides) -> dict[str, Any]:
+  """GLA layer fields like `sse_mixer`'s; a Pallas impl falls back to the XLA chunked op
+  for a key dim the kernels do not take (GLA controls below 16)."""
   fields = dict(short_conv=4, key_dim=s.key_dim, chunk_size=s.chunk_size, impl=s.gla_impl)
   fields.update(overrides)
+  if (str(fields["impl"]).startswith("pallas") and fields["key_dim"] is not None
+      and fields["key_dim"] not in chunk_gla.HEAD_DIMS):
+    fields["impl"] = "chunk"
   return fields
 
 

@@ -26,7 +26,6 @@ read off the figure (`experiments.plots.capacity`) and the verdict.
 import ml_collections
 
 from configs import common
-from pallas_kernels import chunk_gla
 
 
 def setting(variant: str) -> ml_collections.ConfigDict:
@@ -111,8 +110,7 @@ def sse_run(n: int, k: int):
 
 
 def gla_run(s, dk: int):
-  impl = s.gla_impl if dk in chunk_gla.HEAD_DIMS or s.gla_impl == "chunk" else "chunk"
-  model = common.model(s, "G" * s.layers, gla=common.gla_mixer(s, key_dim=dk, impl=impl))
+  model = common.model(s, "G" * s.layers, gla=common.gla_mixer(s, key_dim=dk))
   return common.run(f"GLA_dk{dk}", dict(family="gla", key_dim=dk), model=model)
 
 

@@ -17,7 +17,18 @@ from experiments import sweep
 TINY = ["--config.train.num_steps=2", "--config.train.eval_every=1",
         "--config.train.log_every=1", "--config.train.checkpoint_every=2",
         "--config.train.batch_size=4", "--config.train.eval_batches=1",
-        "--config.train.warmup_steps=1", "--config.train.progress=False"]
+        "--config.train.warmup_steps=1", "--config.train.progress=False",
+        "--config.train.eval_pairs=(8,)"]
+# One seed, each job in its own process (the config's own stack / seeds say otherwise).
+SINGLE = ["--config.seeds=(0,)", "--config.stack=False"]
+
+
+def _table8(seeds=(0,)):
+  """table8:cpu with one seed, scored by the validation accuracy (the fake runs below
+  have no per-pair-count test sets)."""
+  cfg = table8.get_config("cpu")
+  cfg.seeds, cfg.metric = seeds, "eval_accuracy"
+  return cfg
 
 
 def test_without_drops_flags_in_both_forms():
@@ -29,11 +40,11 @@ def test_without_drops_flags_in_both_forms():
 
 def test_parallel_sweep_trains_every_run_and_reports(tmp_path):
   cmd = [sys.executable, "-m", "experiments.ablation", "--config=configs/table8.py:cpu",
-         f"--workdir={tmp_path}", "--workers=2", *TINY]
+         f"--workdir={tmp_path}", "--workers=2", *TINY, *SINGLE]
   first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
   assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
   cfg = table8.get_config("cpu")
-  cfg.train.num_steps = 2
+  cfg.train.num_steps, cfg.seeds = 2, (0,)
   jobs = sweep.expand(cfg, tmp_path / cfg.name)
   for job in jobs:  # each child trained its run to the end and logged to train.log
     summary = report.read_summary(job)
@@ -78,7 +89,7 @@ def _eval_record(step, loss, accuracy):
 
 
 def test_unfinished_runs_are_reported_from_their_last_eval(tmp_path):
-  cfg = table8.get_config("cpu")
+  cfg = _table8()
   shared, separate = sweep.expand(cfg, tmp_path)
   separate.dir.mkdir(parents=True)
   records = [_eval_record(50, 3.0, 0.25), _eval_record(75, 2.0, 0.5)]
@@ -130,8 +141,7 @@ def test_compare_runs_overlays_curves(tmp_path):
 
 
 def test_several_seeds_report_mean_spread_and_every_seed(tmp_path):
-  cfg = table8.get_config("cpu")
-  cfg.seeds = (0, 1, 2)
+  cfg = _table8(seeds=(0, 1, 2))
   jobs = [j for j in sweep.expand(cfg, tmp_path) if j.run == "shared"]
   for job, acc in zip(jobs, (0.2, 0.9, 0.4)):
     job.dir.mkdir(parents=True)
@@ -201,12 +211,14 @@ def test_serial_sweep_goes_on_after_a_failed_run_and_reports_when_interrupted(
       raise FloatingPointError("non-finite loss at step 3")
     if job.run in interrupt:
       raise KeyboardInterrupt
-    job.dir.mkdir(parents=True, exist_ok=True)
-    summary = {"step": job.config.num_steps, "finished": True,
-               "eval": _eval_record(2, 1.0, 0.5), "history": [], "params": 1}
-    (job.dir / "summary.json").write_text(json.dumps(summary))
+    for job in group:
+      job.dir.mkdir(parents=True, exist_ok=True)
+      ev = dict(_eval_record(2, 1.0, 0.5), by_pairs={"8": dict(accuracy=0.5, loss=1.0)})
+      summary = {"step": job.config.num_steps, "finished": True, "eval": ev,
+                 "history": [], "params": 1}
+      (job.dir / "summary.json").write_text(json.dumps(summary))
 
-  cfg = table8.get_config("cpu")
+  cfg = _table8()
   jobs = sweep.expand(cfg, tmp_path)
   monkeypatch.setattr(dispatch, "train_group", fake_train)
   failed = dispatch.train_serially([[j] for j in jobs][::-1])  # the failing run first
@@ -215,7 +227,8 @@ def test_serial_sweep_goes_on_after_a_failed_run_and_reports_when_interrupted(
 
   monkeypatch.setattr(dispatch, "train_group",
                       lambda g: fake_train(g, fail=(), interrupt=("separate",)))
-  argv = ["ablation", "--config=configs/table8.py:cpu", f"--workdir={tmp_path / 'w'}"]
+  argv = ["ablation", "--config=configs/table8.py:cpu", f"--workdir={tmp_path / 'w'}",
+          "--workers=1"]
   with flagsaver.flagsaver():
     ablation.FLAGS(argv)
     with pytest.raises(SystemExit) as exit_info:

@@ -90,7 +90,7 @@ def test_borrow_accepts_the_same_model_and_refuses_another(tmp_path):
                  _command())
   rows, _ = merge_reports.merge(_config(table6), [], [f"softmax=N4_k1@{base}"])
   assert rows[0]["run"] == "softmax" and rows[0]["values"] == [0.5, 0.6]
-  assert rows[0]["labels"] == {"variant": "SSE key softmax"}  # this sweep's labels
+  assert rows[0]["labels"] == {"family": "sse", "variant": "SSE key softmax"}  # this sweep's
   with pytest.raises(ValueError, match="key_activation: 'softmax' in the report, 'silu'"):
     merge_reports.merge(_config(table6), [], [f"silu=N4_k1@{base}"])
 
@@ -111,7 +111,7 @@ def test_cli_writes_the_report_with_its_sources(tmp_path):
       ("N1_k1", [0.5, 0.6]), ("N4_k1", [0.7, 0.8])]
   md = (out / "results.md").read_text()
   assert f"- N4_k1: `{b}`, run N4_k1, step 8" in md
-  assert "Not in any report: N2_k1" in md
+  assert "Not in any report: GLA_dk4, GLA_dk8, GLA_dk32, N8_k2" in md
   assert (out / "fig7_cpu.png").stat().st_size > 0
   bad = subprocess.run(cmd[:-2] + [f"--reports={a}", "--config.train.num_steps=9",
                                    f"--out={out}"], capture_output=True, text=True,
