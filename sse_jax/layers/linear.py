@@ -27,7 +27,7 @@ from sse_jax.layers.short_conv import ShortConv
 
 @dataclasses.dataclass(frozen=True)
 class LinearAttentionConfig:
-  """Fields common to the GLA and SSE mixers (SPEC section 2).
+  """Fields common to the GLA and SSE mixers (docs/design.md, section 2).
 
   hidden: D, the model width (divisible by num_heads).
   num_heads: H.

@@ -30,7 +30,7 @@ class LowRank(nnx.Module):
 
 
 class DecayGate(nnx.Module):
-  """GLA's low-rank log-decay gate (fla `gk_proj`, SPEC section 2):
+  """GLA's low-rank log-decay gate (fla `gk_proj`, docs/design.md, section 2):
 
       g = log_sigmoid(x W_1 W_2 + b) / normalizer    [B, T, H, Dk], float32, <= 0
 

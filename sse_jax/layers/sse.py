@@ -1,4 +1,4 @@
-"""The SSE mixer: Sparse State Expansion linear attention (SPEC sections 1-2).
+"""The SSE mixer: Sparse State Expansion linear attention (docs/design.md, sections 1-2).
 
 For x [B, T, D], H heads with key dim Dk and value dim Dv:
 
