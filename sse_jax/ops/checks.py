@@ -2,18 +2,25 @@
 
 Every error is a `ValueError` that names the offending argument and its value, so a
 mistake in a user's model surfaces at the call, not as a shape error deep inside XLA.
-Value checks (index ranges, `cu_seqlens` monotonicity) run only on concrete arrays;
-under `jit` the values are unknown and the docstrings of the ops state the contract.
+Value checks (index ranges, `cu_seqlens` monotonicity, g <= 0, router weights >= 0)
+raise only on concrete arrays; under `jit` the values are unknown and the docstrings
+of the ops state the contract. `checked(fn)` is the debugging mode for jitted code:
+while it traces fn, the same checks (and finiteness of every floating input) are
+added to the traced ops as `checkify` checks, and a failing one raises at the call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 
 class Gate(enum.Enum):
@@ -54,6 +61,22 @@ def as_array(name: str, x):
     return jnp.asarray(x)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{name} must be an array, got {type(x).__name__}: {e}") from None
+
+
+# True while `checked` traces its function: only then do traced inputs get checks.
+# Not always: even a checkify.debug_check that plain jit drops gives the jaxpr an
+# effect, which moves every call of the jitted function off JAX's fast C++ dispatch
+# path (a tiny jitted function on CPU: 4 us -> 46 us per call).
+_CHECKING = contextvars.ContextVar("sse_jax_ops_checking", default=False)
+
+
+@contextlib.contextmanager
+def _checking():
+  token = _CHECKING.set(True)
+  try:
+    yield
+  finally:
+    _CHECKING.reset(token)
 
 
 def check_scale(scale) -> None:
@@ -106,12 +129,15 @@ def check_cu_seqlens(cu_seqlens, batch: int, length: int) -> int | None:
     raise ValueError(
         f"cu_seqlens describes packed sequences and needs batch size B == 1, got"
         f" B={batch}")
+  rule = f"cu_seqlens must start at 0, be non-decreasing and end at T={length}; got"
   if is_concrete(cu_seqlens):
     c = np.asarray(cu_seqlens)
     if c[0] != 0 or c[-1] != length or np.any(np.diff(c) < 0):
-      raise ValueError(
-          f"cu_seqlens must start at 0, be non-decreasing and end at T={length};"
-          f" got {c.tolist()}")
+      raise ValueError(f"{rule} {c.tolist()}")
+  elif _CHECKING.get():
+    c = cu_seqlens
+    checkify.debug_check((c[0] == 0) & (c[-1] == length) & jnp.all(c[1:] >= c[:-1]),
+                         rule + " {}", c)
   return cu_seqlens.shape[0] - 1
 
 
@@ -136,18 +162,114 @@ def check_routing(weights, indices, batch: int, length: int,
     raise ValueError(
         f"top-k K={top_k} (last axis of indices) must be in [1, num_partitions="
         f"{num_partitions}]")
+  in_range = f"indices must lie in [0, num_partitions={num_partitions}), got values in"
+  distinct = ("indices must be distinct within a token (a partition selected twice by"
+              " the same token)")
   if is_concrete(indices) and indices.size:
     idx = np.asarray(indices)
     if idx.min() < 0 or idx.max() >= num_partitions:
-      raise ValueError(
-          f"indices must lie in [0, num_partitions={num_partitions}), got values in"
-          f" [{idx.min()}, {idx.max()}]")
+      raise ValueError(f"{in_range} [{idx.min()}, {idx.max()}]")
     if top_k > 1:
       s = np.sort(idx, axis=-1)
       if np.any(s[..., 1:] == s[..., :-1]):
-        raise ValueError("indices must be distinct within a token (a partition"
-                         " selected twice by the same token)")
+        raise ValueError(distinct)
+  elif indices.size and _CHECKING.get():
+    lo, hi = jnp.min(indices), jnp.max(indices)
+    checkify.debug_check((lo >= 0) & (hi < num_partitions), in_range + " [{}, {}]", lo,
+                         hi)
+    if top_k > 1:
+      s = jnp.sort(indices, axis=-1)
+      checkify.debug_check(jnp.all(s[..., 1:] != s[..., :-1]), distinct)
   return top_k
+
+
+def require(ok, name: str, x, rule: str, *, eager: bool = True) -> None:
+  """Every element of x satisfies `rule`: ok(x) (a bool array of x's shape) is True.
+
+  ok is evaluated only when x is checked. Concrete x (with `eager`): otherwise a
+  one-line ValueError with the first offending position and value, e.g. "g must be
+  <= 0 (...), got g[0, 5, 0, 3] = 6.0 (and 2 more)". Traced x: the same message as a
+  checkify check while `checked` traces (the debug_check is a no-op outside
+  checkify), else nothing.
+  """
+  if x is None or x.size == 0:
+    return
+  if is_concrete(x):
+    if not eager:
+      return
+    # On the device, one bool to the host (not x); evaluated now even while a jit
+    # traces a function that closes over x.
+    with jax.ensure_compile_time_eval():
+      ok = ok(x)
+      if bool(jnp.all(ok)):
+        return
+    bad = np.argwhere(~np.asarray(ok))
+    pos = tuple(int(i) for i in bad[0])
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise ValueError(f"{name} must be {rule}, got {name}[{', '.join(map(str, pos))}] ="
+                     f" {np.asarray(x)[pos]}{more}")
+  if not _CHECKING.get():
+    return
+  ok = ok(x)
+  first = jnp.argmax(~ok.reshape(-1))  # the first False (0 when there is none)
+  pos = jnp.unravel_index(first, ok.shape)
+  checkify.debug_check(jnp.all(ok), f"{name} must be {rule}, got {name}{{}} = {{}}",
+                       jnp.stack(pos), x[pos])
+
+
+def check_log_decay(name: str, g) -> None:
+  """g <= 0: a log decay, exp(g) in [0, 1]. -inf (a hard reset) is allowed; NaN and
+  g > 0 (a state that grows without bound) are not."""
+  require(lambda g: g <= 0, name, g, "<= 0 (a log decay; -inf resets the state)")
+
+
+def check_weights(name: str, w) -> None:
+  """Router weights are probabilities: >= 0 (NaN fails too)."""
+  require(lambda w: w >= 0, name, w, ">= 0 (router probabilities)")
+
+
+def check_finite(name: str, x) -> None:
+  """x has no NaN or inf. Checked on traced inputs under `checked` only: on concrete
+  ones it would scan every activation of every eager call."""
+  require(jnp.isfinite, name, x, "finite", eager=False)
+
+
+def checked(fn: Callable, *, errors=checkify.user_checks, **jit_kwargs) -> Callable:
+  """`jax.jit(fn)` that raises when an op's input breaks its contract.
+
+  Under a plain `jit` the ops cannot see values, so bad `cu_seqlens`, out-of-range or
+  repeated indices, g > 0, negative router weights and non-finite inputs (q, k, v,
+  weights, initial states; g may be -inf) go unnoticed. Here `fn` runs under
+  `checkify.checkify`, which turns the ops' recorded checks (`require`) into an error
+  value, and the call raises it (a `checkify.JaxRuntimeError`, a ValueError) with
+  the first failed check's message, e.g. "g must be <= 0 (...), got g[0 5 0 3] = 6.0".
+  The checks cost a reduction over each input and an error value per call: a
+  debugging mode, not for training. `errors` adds checkify's automatic checks (e.g.
+  `checkify.nan_checks` for NaNs produced inside fn); `jit_kwargs` go to `jax.jit`.
+
+      loss = sse_jax.ops.checked(loss_fn)
+      loss(params, batch)   # raises on the first bad op input
+
+  The checks are added while fn is traced. Pass fn un-jitted: JAX caches the traces of
+  jitted functions without regard to this mode, so one inside fn that was already
+  traced outside `checked` keeps its unchecked trace (`jax.clear_caches()` forces a
+  retrace), and one first traced here keeps its checks outside (harmless: dropped
+  without checkify, but its calls leave JAX's fast dispatch path).
+  """
+
+  def fn_with_checks(*args, **kwargs):
+    with _checking():
+      return fn(*args, **kwargs)
+
+  run = jax.jit(checkify.checkify(fn_with_checks, errors=errors), **jit_kwargs)
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    err, out = run(*args, **kwargs)
+    err.throw()
+    return out
+
+  return call
 
 
 def check_state(name: str, state, expected: tuple[int, ...]) -> None:

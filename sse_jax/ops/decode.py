@@ -22,6 +22,9 @@ def _check_step(q, k, v, g):
   if q.shape != k.shape or g.shape != k.shape or v.shape[:2] != k.shape[:2]:
     raise ValueError(f"mismatched step shapes: q {tuple(q.shape)}, k {tuple(k.shape)},"
                      f" v {tuple(v.shape)}, g {tuple(g.shape)}")
+  checks.check_log_decay("g", g)  # g <= 0 as in `gla` / `sse`; -inf resets
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    checks.check_finite(name, x)
   return k.shape + (v.shape[-1],)
 
 
@@ -38,6 +41,8 @@ def _gla_update(q, k, v, g, state):
 
 def gla_decode_step(q, k, v, g, state, *, scale=None):
   """One GLA step. q, k, g: [B, H, Dk]; v: [B, H, Dv]; state: [B, H, Dk, Dv].
+
+  g <= 0 as in `gla` (checked on concrete values, and by `checked` under jit).
 
   Returns (o [B, H, Dv] in v's dtype, new state in the state's dtype).
   """
@@ -56,6 +61,8 @@ def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="bo
 
   Args:
     q, k, g: [B, H, Dk]; v: [B, H, Dv]; weights: float [B, K]; indices: int [B, K].
+      g <= 0 and weights >= 0 as in `sse` (checked on concrete values, and by
+      `checked` under jit).
     read_weights, read_indices: optional separate read set [B, Kr] (see `sse`).
     state: [B, N, H, Dk, Dv]; with `shared=(q', k', g')` ([B, H, Dk] each) a tuple
       (routed [B, N, H, Dk, Dv], shared [B, H, Dk, Dv]).
@@ -77,6 +84,13 @@ def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="bo
     raise ValueError("read_weights and read_indices must be given together")
   if read_indices is not None:
     checks.check_routing(read_weights[:, None], read_indices[:, None], b, 1, n)
+  checks.check_weights("weights", weights)
+  checks.check_weights("read_weights", read_weights)
+  for name, x in (("weights", weights), ("read_weights", read_weights),
+                  ("state", routed), ("state (shared)", state0)):
+    checks.check_finite(name, x)
+  if shared is not None:
+    checks.check_log_decay("shared g'", shared[2])
   scale = dk ** -0.5 if scale is None else scale
   dt = routed.dtype
   q, k, v, g = (x.astype(dt) for x in (q, k, v, g))

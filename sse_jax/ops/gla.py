@@ -116,19 +116,23 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
   """Gated linear attention.
 
   Args:
-    q, k, g: [B, T, H, Dk]; g is the log decay (<= 0); v: [B, T, H, Dv].
+    q, k, g: [B, T, H, Dk]; v: [B, T, H, Dv]. g is the log decay, g <= 0; -inf is
+      a hard reset (exp g = 0: the state before is forgotten), computed exactly like
+      the scan (`chunked.LOG_DECAY_FLOOR`). g > 0 or NaN raises a ValueError on
+      concrete values; under `jit` it is the caller's contract (`checked` checks it).
     scale: multiplies q; defaults to Dk ** -0.5.
     initial_state: [B, H, Dk, Dv], or [S, H, Dk, Dv] with `cu_seqlens`.
     output_final_state: also return the final state(s).
     cu_seqlens: int32 [S + 1] boundaries of S sequences packed along T (needs B == 1);
       no information crosses a boundary. It must start at 0, never decrease and end
       at T: checked on concrete values; under `jit` (a traced cu_seqlens) that is the
-      caller's contract, and other values give wrong results.
+      caller's contract, and other values give wrong results (`checked` checks it).
     impl: "chunk" (default), "pallas_chunk", "auto" or "scan" (reference).
     chunk_size: C, a multiple of 16 (16, 32, 64 or 128 for "pallas_chunk").
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None). States are float32, or
-    float64 when the inputs are float64.
+    float64 when the inputs are float64. Empty inputs (B, T, H, Dk or Dv = 0) give
+    zeros and the initial state as the final state.
   """
   q, k, v, g, cu_seqlens = (checks.as_array(name, x) for name, x in (
       ("q", q), ("k", k), ("v", v), ("g", g), ("cu_seqlens", cu_seqlens)))
@@ -140,13 +144,18 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
   checks.check_state("initial_state", initial_state, (nstate, h, dk, dv))
+  checks.check_log_decay("g", g)
+  for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", initial_state)):
+    checks.check_finite(name, x)
   dtype = checks.compute_dtype(q, k, v, g, initial_state)
-  scale = dk ** -0.5 if scale is None else scale
-  qkv_dtype = impl_lib.storage_dtype(impl, (q.dtype, k.dtype, v.dtype), dtype)
   h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
         else initial_state.astype(dtype))
-  if t == 0:  # no tokens: nothing to compute, every state stays as it was
-    return jnp.zeros((b, 0, h, dv), v.dtype), (h0 if output_final_state else None)
+  # Nothing to compute, every state stays as it was. Returned here, before the paths'
+  # reshapes (which cannot infer a -1 axis of an empty array) and the Pallas grids.
+  if 0 in (b, t, h, dk, dv):
+    return jnp.zeros((b, t, h, dv), v.dtype), (h0 if output_final_state else None)
+  scale = dk ** -0.5 if scale is None else scale
+  qkv_dtype = impl_lib.storage_dtype(impl, (q.dtype, k.dtype, v.dtype), dtype)
   return _gla(q, k, v, g, scale, h0, cu_seqlens, impl=impl, chunk_size=chunk_size,
               dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state,
               trace_key=impl_lib.trace_key(impl))

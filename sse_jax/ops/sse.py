@@ -72,9 +72,11 @@ def masked_partitions(q, k, g, routing: Routing, num_partitions: int):
   written, ww = spread(routing.write_idx, routing.write_w, num_partitions)
   _, rw = spread(routing.read_idx, routing.read_w, num_partitions)
   col = lambda w: w[..., None, None]
+  # g selected, not multiplied by the 0/1 mask: -inf * 0 is NaN (a hard reset would
+  # turn every partition's state into NaN).
   return ((q[:, :, None] * col(rw)).astype(q.dtype),
           (k[:, :, None] * col(ww)).astype(k.dtype),
-          g[:, :, None] * col(written.astype(g.dtype)))
+          jnp.where(col(written), g[:, :, None], jnp.zeros((), g.dtype)))
 
 
 def _scan(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens):
@@ -195,12 +197,17 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
   """Sparse State Expansion over N routed partitions (module docstring).
 
   Args:
-    q, k, g: [B, T, H, Dk]; g is the log decay (<= 0); v: [B, T, H, Dv].
-    weights: float [B, T, K], router probabilities e_t^i of the selected partitions
-      (shared by all heads). Gradients flow into them through the gates.
+    q, k, g: [B, T, H, Dk]; v: [B, T, H, Dv]. g is the log decay, g <= 0; -inf is a
+      hard reset of the selected partitions, computed exactly by every impl. g > 0 or
+      NaN raises a ValueError on concrete values; under `jit` it is the caller's
+      contract (`checked` checks it), as is weights >= 0.
+    weights: float [B, T, K], router probabilities e_t^i >= 0 of the selected
+      partitions (shared by all heads; a negative one raises on concrete values).
+      Gradients flow into them through the gates.
     indices: int [B, T, K], distinct partition ids in [0, num_partitions) per token
-      (checked on concrete inputs; under jit that is the caller's contract, and every
-      impl ignores an id out of range: that selection writes and reads nothing).
+      (checked on concrete inputs; under jit that is the caller's contract, checked by
+      `checked`, and every impl ignores an id out of range: that selection writes and
+      reads nothing).
     num_partitions: N (static).
     scale: multiplies q (and the shared q'); defaults to Dk ** -0.5.
     gate: "both" | "write" | "read" | "none".
@@ -209,18 +216,19 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     output_final_state: also return the final state(s), shaped like initial_state.
     cu_seqlens: int32 [S + 1], packed sequences along T (B == 1): starts at 0, never
       decreases, ends at T (checked on concrete values; under `jit`, the caller's
-      contract: other values give wrong results).
+      contract: other values give wrong results; `checked` checks it).
     impl: "varlen" (default), "masking", "pallas_varlen", "pallas_masking", "auto",
       "loop" or "scan" (reference); see `Impl`.
     shared: optional (q', k', g'), each [B, T, H, Dk]: an always-on GLA partition
-      sharing v, with weight 1.
+      sharing v, with weight 1 (g' <= 0 as g).
     read_weights, read_indices: optional [B, T, Kr] read set (the official code's
       `num_readers`); `weights`/`indices` are then the write set only. A partition
       read but not written at t neither decays nor changes; one written but not
       read contributes nothing to o_t. Default: the read set is the write set.
     chunk_size: C, a multiple of 16 (16, 32, 64 or 128 for the Pallas impls).
   Returns:
-    (o [B, T, H, Dv] in v's dtype, final_state or None).
+    (o [B, T, H, Dv] in v's dtype, final_state or None). Empty inputs (B, T, H, Dk or
+    Dv = 0) give zeros and the initial states as the final states.
   """
   q, k, v, g, weights, indices, cu_seqlens, read_weights, read_indices = (
       checks.as_array(name, x) for name, x in (
@@ -238,6 +246,10 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     raise ValueError("read_weights and read_indices must be given together")
   if read_indices is not None:
     checks.check_routing(read_weights, read_indices, b, t, num_partitions)
+  checks.check_log_decay("g", g)
+  checks.check_weights("weights", weights)
+  if read_weights is not None:
+    checks.check_weights("read_weights", read_weights)
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
   h0, h0_shared = initial_state, None
@@ -254,6 +266,7 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
         raise ValueError(f"{name} must have the shape of k {tuple(k.shape)}, got"
                          f" {tuple(x.shape)}")
       checks.check_floating(name, x)
+    checks.check_log_decay("shared g'", shared[2])
     if initial_state is not None:
       if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
         raise ValueError("with shared, initial_state must be a tuple (routed, shared)")
@@ -262,22 +275,29 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
   h0_shared = checks.as_array("initial_state (shared)", h0_shared)
   checks.check_state("initial_state", h0, (nstate, num_partitions, h, dk, dv))
   checks.check_state("initial_state (shared)", h0_shared, (nstate, h, dk, dv))
+  for name, x in (("q", q), ("k", k), ("v", v), ("weights", weights),
+                  ("read_weights", read_weights), ("initial_state", h0),
+                  ("initial_state (shared)", h0_shared),
+                  *zip(("shared q'", "shared k'"), shared or ())):
+    checks.check_finite(name, x)
 
   dtype = checks.compute_dtype(q, k, v, g, weights, h0, h0_shared,
                                *(shared if shared is not None else ()))
-  scale = dk ** -0.5 if scale is None else scale
-  qkv_dtype = impl_lib.storage_dtype(
-      impl, [x.dtype for x in (q, k, v) + tuple(shared or ())[:2]], dtype)
   h0 = (jnp.zeros((nstate, num_partitions, h, dk, dv), dtype) if h0 is None
         else h0.astype(dtype))
   if shared is not None:
     h0_shared = (jnp.zeros((nstate, h, dk, dv), dtype) if h0_shared is None
                  else h0_shared.astype(dtype))
-  if t == 0:  # no tokens: nothing to compute, every state stays as it was
-    o = jnp.zeros((b, 0, h, dv), v.dtype)
+  # Nothing to compute, every state stays as it was. Returned here, before the paths'
+  # reshapes (which cannot infer a -1 axis of an empty array) and the Pallas grids.
+  if 0 in (b, t, h, dk, dv):
+    o = jnp.zeros((b, t, h, dv), v.dtype)
     if not output_final_state:
       return o, None
     return o, (h0 if shared is None else (h0, h0_shared))
+  scale = dk ** -0.5 if scale is None else scale
+  qkv_dtype = impl_lib.storage_dtype(
+      impl, [x.dtype for x in (q, k, v) + tuple(shared or ())[:2]], dtype)
   read = () if read_indices is None else (read_weights, read_indices)
   return _sse(q, k, v, g, weights, indices, read, h0, shared or (),
               () if shared is None else h0_shared, scale, cu_seqlens,
