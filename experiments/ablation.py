@@ -17,17 +17,41 @@ the config names `controls`, a verdict at the end of results.md: `verdict`); wit
 Per run, the learning rate with the lowest final eval loss (mean over seeds) is kept
 (`report.collect`). The pieces: `sweep` (the jobs), `dispatch` (training them),
 `report` (rows and tables), `plots` (the figure, by cfg.figure).
+
+--config.<path>=<value> sets a field of the experiment config (train fields under
+--config.train, e.g. --config.train.num_steps=500). Two rules keep the sweep what the
+command line says (`sweep.check_train_changes`):
+  - a train field that runs set again in their own overrides is refused, naming those
+    runs (fig7's SSE runs set model.sse.top_k, its GLA runs all of `model`): the flag
+    would be dropped silently for them; such a field is changed in the config file.
+    train.lr and train.seed are refused too: each job's come from --config.lrs and
+    --config.seeds;
+  - --config.train.data.<field> also sets eval_data.<field> (the validation stream the
+    learning rates are chosen on, and from which the test sets are made) when the config
+    file's eval_data is its data on another split (every field but `split` equal, as
+    `configs.common.train` builds it), unless --config.train.eval_data.<field> is given
+    too; where eval_data is a stream of its own, such a data flag is refused.
+A mistake on the command line (a config file or argument that does not exist, a field
+the config does not have, a workdir that cannot be made, a flag a run would ignore, a
+train field with an impossible value) is one line on stderr and exit status 2, before
+anything trains. results.json and results.md record the command (less --workdir,
+--workers and --report_only) quoted for the shell.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import pathlib
+import re
+import shlex
 import shutil
 import sys
 
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
 from ml_collections import config_flags
 
 from experiments import dispatch
@@ -35,10 +59,17 @@ from experiments import plots
 from experiments import report
 from experiments import sweep
 from experiments import verdict
+from sse_jax.train import config as config_lib
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Experiment config file, e.g."
-                                " configs/fig7.py:cpu.", lock_config=False)
+config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file and its argument, e.g. configs/fig7.py:cpu."
+    " Its fields are set with --config.<path>=<value>, e.g. --config.train.num_steps=500."
+    " A train field that runs set in their own overrides is refused (it would be"
+    " ignored for them); --config.train.data.<field> also sets eval_data.<field> when"
+    " the config's eval_data is its data on another split, unless"
+    " --config.train.eval_data.<field> is given too, and is refused where eval_data is"
+    " a stream of its own.", lock_config=False)
 flags.DEFINE_string("workdir", "workdir", "Root of the run directories.")
 flags.DEFINE_string("results", "", "Also copy the tables and figure into this directory.")
 flags.DEFINE_list("only", [], "Run only these run names (the report covers all finished runs).")
@@ -58,6 +89,132 @@ flags.DEFINE_list("job", [], "(internal) train these runs <run>/lr<lr>_s<seed> (
 expand, label_text = sweep.expand, report.label_text
 read_summary, collect, write_tables = report.read_summary, report.collect, report.write_tables
 plot = plots.plot
+
+
+def usage_exit(error: Exception) -> None:
+  """Ends the program on a mistake of the user's: the message as one line on stderr,
+  exit status 2 (absl would print a traceback, or its whole usage text)."""
+  print(" ".join(str(error).split()), file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def config_files(near: pathlib.Path) -> list[str]:
+  """The experiment config files beside `near` (else in configs/): those with a
+  get_config, for the message about a config file that does not exist."""
+  for folder in (near.parent, pathlib.Path("configs")):
+    if folder.is_dir():
+      found = [str(f) for f in sorted(folder.glob("*.py"))
+               if re.search(r"^def get_config\(", f.read_text(errors="replace"), re.M)]
+      if found:
+        return found
+  return []
+
+
+def load_config(argument: str) -> ml_collections.ConfigDict:
+  """The experiment config that --config=<file>[:<arg>] names, as its file builds it (no
+  --config.* flags applied); a file that does not exist or fails to build its config is
+  an app.UsageError naming the flag."""
+  path, *arg = argument.split(":", 1)
+  file = pathlib.Path(path)
+  if not file.is_file():
+    known = config_files(file)
+    raise app.UsageError(f"--config={argument}: no such config file"
+                         + (f"; the configs are {', '.join(known)}" if known else ""))
+  spec = importlib.util.spec_from_file_location("_ablation_config", file)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # as an import would: e.g. dataclasses look it up
+  try:
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+      raise app.UsageError(f"--config={argument}: not a config file (it has no "
+                           "get_config); the configs are " + ", ".join(config_files(file)))
+    cfg = module.get_config(*arg)
+  except app.UsageError:
+    raise
+  except ValueError as e:  # the config's own word on its argument
+    raise app.UsageError(f"--config={argument}: {e}") from None
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise app.UsageError(f"--config={argument}: building the config failed: "
+                         f"{type(e).__name__}: {e}") from None
+  finally:
+    del sys.modules[spec.name]
+  if not isinstance(cfg, ml_collections.ConfigDict) or not {"train", "runs"} <= set(cfg):
+    raise app.UsageError(f"--config={argument}: get_config() did not return an experiment"
+                         " config (a ConfigDict with train and runs; configs/common.py)")
+  return cfg
+
+
+def field_paths(node, prefix: str = ""):
+  """Every dotted path a --config.<path> flag can name in a config (groups included)."""
+  for key, value in node.items():
+    path = f"{prefix}.{key}" if prefix else key
+    yield path
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      yield from field_paths(value, path)
+
+
+def check_config_flags(args: list[str]) -> None:
+  """Loads --config and checks that every --config.<path> flag names one of its fields,
+  before absl parses them: a missing file, a failing config argument or a field that
+  does not exist would be a traceback there. The message suggests the closest field
+  (e.g. --config.model.sse.top_k: --config.train.model.sse.top_k)."""
+  args = args[:args.index("--")] if "--" in args else args
+  argument = None
+  for i, arg in enumerate(args):
+    found = re.fullmatch(r"--?config(?:=(.*))?", arg, re.S)
+    if found:
+      argument = found[1] if found[1] is not None else next(iter(args[i + 1:]), None)
+  if not argument:
+    return  # no --config: main says so
+  cfg = load_config(argument)
+  paths = set(field_paths(cfg))
+  for arg in args:
+    found = re.match(r"--?(?:no)?config\.([^=]*)", arg)
+    if not found or found[1] in paths or "[" in found[1]:  # [i]: config_flags' indexing
+      continue
+    path = found[1]
+    tails = sorted((p for p in paths if p.endswith("." + path)), key=len)
+    close = tails or difflib.get_close_matches(path, sorted(paths), n=1)
+    hint = (f"; did you mean --config.{close[0]}?" if close else
+            f"; its fields are {', '.join(sorted(cfg))}")
+    raise app.UsageError(f"{arg}: {argument} has no field {path}{hint}")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flag parser: absl's, after `check_config_flags`, with every mistake one
+  line and exit status 2 (`usage_exit`); --help still prints the flags' help."""
+  try:
+    check_config_flags(argv[1:])
+    return FLAGS(argv)
+  except (app.UsageError, flags.Error) as e:
+    usage_exit(e)
+
+
+def make_dir(path: pathlib.Path, flag: str) -> None:
+  """mkdir -p, a directory that cannot be made an app.UsageError naming the flag."""
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise app.UsageError(f"--{flag}={FLAGS[flag].value}: cannot create {path} "
+                         f"({e.strerror or e}): give a directory you can write to") from None
+
+
+def sweep_jobs(cfg, root: pathlib.Path) -> list[sweep.Job]:
+  """The sweep's jobs (`sweep.expand`), the --config.train flags checked against the
+  config file's own values first (`sweep.check_train_changes`), every job's train
+  config validated (`sse_jax.train.config.validate`): a mistake is refused before any
+  run trains, not reported by every run as it fails."""
+  defaults = load_config(FLAGS["config"].config_filename)
+  given = list(FLAGS["config"].override_values)
+  train = None if "train" in given else [p[len("train."):] for p in given
+                                         if p.startswith("train.")]
+  jobs = sweep.expand(cfg, root, defaults=defaults, given=train)
+  for job in jobs:
+    try:
+      config_lib.validate(job.config)
+    except ValueError as e:
+      raise app.UsageError(f"run {sweep.job_id(job)}: {e}") from None
+  return jobs
 
 
 def train_only_jobs(jobs: list[sweep.Job]) -> None:
@@ -120,7 +277,18 @@ def write_report(cfg, jobs: list[sweep.Job], root: pathlib.Path, command: str) -
 
 
 def main(argv):
-  del argv
+  """Runs the sweep; a usage mistake is one line on stderr and exit status 2."""
+  try:
+    run_sweep(argv)
+  except app.UsageError as e:
+    usage_exit(e)
+
+
+def run_sweep(argv):
+  """Trains the sweep's pending runs (or one --job group) and writes the report."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected argument {argv[1]!r}: flags are --name=value, the"
+                         " config --config=FILE[:ARG]")
   logging.set_verbosity(logging.WARNING)  # checkpointing logs every save at INFO
   cfg = FLAGS.config
   if cfg is None:
@@ -130,10 +298,10 @@ def main(argv):
   try:
     plots.figure_of(cfg.figure)  # before training, not after hours of it
   except ValueError as e:
-    raise SystemExit(f"{cfg.name}: {e}") from None
+    raise app.UsageError(f"--config={FLAGS['config'].config_filename}: {e}") from None
   root = pathlib.Path(FLAGS.workdir) / cfg.name
-  root.mkdir(parents=True, exist_ok=True)
-  jobs = sweep.expand(cfg, root)
+  jobs = sweep_jobs(cfg, root)
+  make_dir(root, "workdir")
   if FLAGS.job:
     train_only_jobs(jobs)
     return
@@ -141,9 +309,11 @@ def main(argv):
   unknown = [n for n in FLAGS.only if n not in names]
   if unknown:
     raise app.UsageError(f"--only: unknown run names {unknown}; runs: {sorted(names)}")
+  if FLAGS.results:
+    make_dir(pathlib.Path(FLAGS.results), "results")  # before training, not after
   sweep.check_finished_runs(jobs)
-  command = "python -m experiments.ablation " + " ".join(  # what reproduces the runs
-      dispatch.without(sys.argv[1:], ("--workdir", "--report_only", "--workers")))
+  command = shlex.join(["python", "-m", "experiments.ablation", *dispatch.without(
+      sys.argv[1:], ("--workdir", "--report_only", "--workers"))])  # reproduces the runs
   failed, interrupted = ([], False) if FLAGS.report_only else train_pending(jobs)
   write_report(cfg, jobs, root, command)
   if interrupted:
@@ -154,4 +324,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
