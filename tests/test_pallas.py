@@ -411,15 +411,15 @@ def test_storage_dtype_keeps_only_bf16_at_16_bits():
 def test_auto_picks_pallas_on_gpu_for_supported_head_dims(monkeypatch):
   from sse_jax.ops import impl as impl_lib  # pylint: disable=g-import-not-at-top
   auto = impl_lib.Impl.AUTO
-  on_this = jax.default_backend() == "gpu"
+  on_this = impl_lib.pallas_gpu()
   assert (impl_lib.resolve_auto(auto, "gla", (16, 16)) is impl_lib.Impl.PALLAS_CHUNK) == on_this
-  monkeypatch.setattr(impl_lib.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(impl_lib, "pallas_gpu", lambda device=None: True)
   assert impl_lib.resolve_auto(auto, "gla", (128, 64)) is impl_lib.Impl.PALLAS_CHUNK
   assert impl_lib.resolve_auto(auto, "sse", (128, 128)) is impl_lib.Impl.PALLAS_VARLEN
   # Head dims the kernels do not support: the XLA paths, not an error.
   assert impl_lib.resolve_auto(auto, "gla", (48, 64)) is impl_lib.Impl.CHUNK
   assert impl_lib.resolve_auto(auto, "sse", (64, 8)) is impl_lib.Impl.VARLEN
-  monkeypatch.setattr(impl_lib.jax, "default_backend", lambda: "cpu")
+  monkeypatch.setattr(impl_lib, "pallas_gpu", lambda device=None: False)  # CPU, T4, AMD
   assert impl_lib.resolve_auto(auto, "gla", (128, 128)) is impl_lib.Impl.CHUNK
   assert impl_lib.resolve_auto(auto, "sse", (128, 128)) is impl_lib.Impl.VARLEN
   assert impl_lib.resolve_auto(impl_lib.Impl.SCAN, "gla") is impl_lib.Impl.SCAN

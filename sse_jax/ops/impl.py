@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,8 @@ class Impl(enum.Enum):
            (`pallas_kernels.chunk_gla`); without a GPU they run in interpret mode (slow,
            for testing). bf16 inputs stay bf16 in the matmuls (fp32 accumulation);
            float16 runs in fp32 (see `storage_dtype`).
-  AUTO     PALLAS_CHUNK / PALLAS_VARLEN on GPU, CHUNK / VARLEN elsewhere.
+  AUTO     PALLAS_CHUNK / PALLAS_VARLEN where the kernels run compiled (`pallas_gpu`: an
+           NVIDIA GPU of compute capability >= 8.0), CHUNK / VARLEN elsewhere.
   """
 
   SCAN = "scan"
@@ -47,12 +49,29 @@ SSE_IMPLS = (Impl.SCAN, Impl.LOOP, Impl.MASKING, Impl.VARLEN, Impl.PALLAS_MASKIN
              Impl.PALLAS_VARLEN, Impl.AUTO)
 
 
+PALLAS_MIN_CAPABILITY = (8, 0)  # Ampere on: the kernels do bf16 matmuls (Triton needs sm_80)
+
+
+def pallas_gpu(device=None) -> bool:
+  """Whether the Pallas kernels run compiled on `device` (default: the first local device
+  of the default backend): an NVIDIA GPU whose compute capability ("major.minor") is at
+  least PALLAS_MIN_CAPABILITY. A T4 (7.5), an AMD GPU ("gfx...") or a CPU is not."""
+  if device is None:
+    if jax.default_backend() != "gpu":
+      return False
+    device = jax.local_devices()[0]
+  capability = re.fullmatch(r"(\d+)\.(\d+)", str(getattr(device, "compute_capability", "")))
+  return capability is not None and (
+      (int(capability[1]), int(capability[2])) >= PALLAS_MIN_CAPABILITY)
+
+
 def resolve_auto(impl: Impl, op: str, head_dims: tuple[int, int] | None = None) -> Impl:
-  """AUTO -> the fastest implementation available on the default backend: Pallas on
-  GPU when the kernels support the head dims (Dk, Dv), the XLA paths otherwise."""
+  """AUTO -> the fastest implementation available on the default backend: Pallas where
+  the kernels run (`pallas_gpu`) and support the head dims (Dk, Dv), the XLA paths
+  otherwise."""
   if impl is not Impl.AUTO:
     return impl
-  gpu = jax.default_backend() == "gpu"
+  gpu = pallas_gpu()
   if gpu and head_dims is not None:
     from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
     gpu = all(d in pallas_chunk_gla.HEAD_DIMS for d in head_dims)
