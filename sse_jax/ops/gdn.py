@@ -1,0 +1,332 @@
+"""The gated delta rule (Gated DeltaNet): `gdn(q, k, v, g, beta)` (design.md, section 6).
+
+One head, row vectors, the state S in R^{Dk x Dv}; one log decay g_t <= 0 and one write
+strength beta_t per head and token:
+
+    S'_t = exp(g_t) S_{t-1}
+    S_t  = S'_t + beta_t k_t^T (v_t - k_t S'_t)
+    o_t  = scale q_t S_t
+
+i.e. S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t. The op does not
+normalise q or k (the layer does): with unit keys and beta in [0, 2] the transition's
+eigenvalues lie in [-1, 1].
+
+Chunkwise-parallel form (the WY / UT representation). In a chunk of C tokens let
+G_t = sum_{u <= t} g_u (from the chunk start), S the state at the chunk start and
+u_t = beta_t (v_t - k_t S'_t) the value the delta rule actually writes at t. Then
+
+    S'_t = exp(G_t) S + sum_{s < t} exp(G_t - G_s) k_s^T u_s,    S_t = S'_t + k_t^T u_t,
+
+so the rows u_t solve one unit lower-triangular system per chunk,
+
+    (I + A) u = diag(beta) V - diag(beta exp G) K S,   A_ts = beta_t exp(G_t - G_s) k_t . k_s  (s < t),
+
+and with U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta exp G) K (independent of S,
+batched over all chunks): u = U - W S. The chunk's output and next state are
+
+    o_t    = exp(G_t) q_t S + sum_{s <= t} exp(G_t - G_s) (q_t . k_s) u_s
+    S_next = exp(G_C) S + sum_s exp(G_C - G_s) k_s^T u_s.
+
+A `lax.scan` over chunks carries S (u = U - W S and S_next: two matmuls per chunk);
+the rest is batched over chunks. The decay is a scalar per head, so exp(G_t - G_s) is a
+[C, C] matrix whose exponents are all <= 0 where it is used (s <= t): nothing overflows
+and, unlike the GLA core's per-channel decays, no sub-chunk anchoring is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sse_jax.ops import checks
+from sse_jax.ops import chunked
+from sse_jax.ops import packing
+from sse_jax.ops import reference
+from sse_jax.ops import sharding
+
+DEFAULT_CHUNK = 64
+GDN_IMPLS = ("scan", "chunk", "auto")
+
+
+def parse_impl(impl) -> str:
+  """gdn's impl name: "scan" (the reference) or "chunk" ("auto": the fastest available,
+  the chunked XLA form)."""
+  match getattr(impl, "value", impl):  # a string or an enum member with that value
+    case "scan":
+      return "scan"
+    case "chunk" | "auto":
+      return "chunk"
+    case other:
+      raise ValueError(f"impl={other!r} is not available for gdn; choose one of"
+                       f" {', '.join(map(repr, GDN_IMPLS))}")
+
+
+def check_chunk_size(chunk_size) -> int:
+  if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
+      or chunk_size < 1):
+    raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+  return int(chunk_size)
+
+
+def check_inputs(q, k, v, g, beta, *, step: bool = False, prefix: str = ""):
+  """Shapes of the delta-rule inputs: q, k [*lead, Dk], v [*lead, Dv], g, beta [*lead],
+  with lead = [B, T, H] (or [B, H] for one decoding step). Returns lead + (Dk, Dv).
+
+  prefix names a second set of inputs (the shared partition's "shared q'", ...); v is
+  always the routed partitions' v.
+  """
+  rank, lead_axes = (3, "[B, H]") if step else (4, "[B, T, H]")
+  axes = lead_axes[:-1] + ", D]" + (" (one token)" if step else "")
+  name = lambda x: f"{prefix}{x}" + ("'" if prefix else "")
+  for n, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != rank:
+      raise ValueError(f"{name(n)} must have rank {rank} {axes}, got shape"
+                       f" {tuple(x.shape)}")
+    checks.check_floating(name(n), x)
+  if q.shape != k.shape:
+    raise ValueError(f"{name('q')} and {name('k')} must have the same shape, got"
+                     f" {tuple(q.shape)} and {tuple(k.shape)}")
+  lead = tuple(k.shape[:-1])
+  if tuple(v.shape[:-1]) != lead:
+    raise ValueError(f"v must share {lead_axes} with k {lead}, got v {tuple(v.shape)}")
+  for n, x in (("g", g), ("beta", beta)):
+    if x.ndim != rank - 1 or tuple(x.shape) != lead:
+      raise ValueError(f"{name(n)} must have shape {lead_axes} = {lead} (one value per"
+                       f" head{'' if step else ' and token'}), got {tuple(x.shape)}")
+    checks.check_floating(name(n), x)
+  return lead + (k.shape[-1], v.shape[-1])
+
+
+def check_gates(g, beta, prefix: str = "") -> None:
+  """g <= 0 (-inf resets) and beta in [0, 2]: raised on concrete values, recorded for
+  `checks.checked` on traced ones."""
+  name = lambda x: f"{prefix}{x}" + ("'" if prefix else "")
+  checks.check_log_decay(name("g"), g)
+  checks.require(lambda b: (b >= 0) & (b <= 2), name("beta"), beta,
+                 "in [0, 2] (a write strength; above 1 gives negative eigenvalues)")
+
+
+def delta_rule_step(state, k, v, g, beta):
+  """One gated delta-rule update on any (broadcast) leading axes.
+
+  state [..., Dk, Dv]; k [..., Dk]; v [..., Dv]; g, beta [...]. Returns
+  S' + beta k^T (v - k S') with S' = exp(g) state.
+  """
+  decayed = jnp.exp(g)[..., None, None] * state
+  recalled = jnp.sum(k[..., :, None] * decayed, axis=-2)
+  written = beta[..., None] * (v - recalled)
+  return decayed + k[..., :, None] * written[..., None, :]
+
+
+def gdn_scan(q, k, v, g, beta, h0, cu_seqlens=None):
+  """The reference: one delta-rule step per `lax.scan` iteration.
+
+  q (scaled), k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; h0 [B | S, H, Dk, Dv].
+  Returns o [B, T, H, Dv] and the final states (shaped like h0).
+  """
+
+  def step(state, x):
+    qt, kt, vt, gt, bt = x
+    state = delta_rule_step(state, kt, vt, gt, bt)
+    return state, jnp.einsum("bhk,bhkv->bhv", qt, state)
+
+  xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))
+  ys, final = reference.recurrent_scan(step, xs, h0, cu_seqlens, q.shape[1])
+  return jnp.swapaxes(ys, 0, 1), final
+
+
+def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks):
+  """The chunked gated delta rule over pre-chunked inputs organised in segments.
+
+  The contract of the GLA chunk cores (`chunked.chunk_gla`) with one decay and one write
+  strength per head: q (scaled), k [B, NC, C, H, Dk]; v [B, NC, C, H, Dv]; g, beta
+  [B, NC, C, H]; h0 [Z, H, Dk, Dv] per segment; segment z occupies the flattened chunks
+  [seg_start[z], seg_start[z] + seg_chunks[z]). A row with g = beta = 0 is an identity
+  (padding). Returns o [B, NC, C, H, Dv] (zero outside every segment) and the segments'
+  final states [Z, H, Dk, Dv] (an empty segment keeps its h0).
+  """
+  b, nc, c = q.shape[:3]
+  dv = v.shape[-1]
+  reset, h0_index = chunked.segment_starts(seg_start, seg_chunks, b * nc)
+  h0_table = jnp.concatenate([h0, jnp.zeros((1,) + h0.shape[1:], h0.dtype)])
+
+  # Head-major inside a chunk: [B, NC, H, C, ...].
+  q, k, v = (jnp.moveaxis(x, 3, 2) for x in (q, k, v))
+  g, beta = (jnp.moveaxis(x, 3, 2) for x in (g, beta))
+  gcum = chunked.in_chunk_cumsum(chunked.floor_log_decay(g), axis=-1)   # G_t
+  pos = jnp.arange(c)
+  causal = pos[:, None] >= pos[None, :]
+  diff = gcum[..., :, None] - gcum[..., None, :]                        # G_t - G_s
+  decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+  a = jnp.where(pos[:, None] > pos[None, :],
+                beta[..., :, None] * decay * jnp.einsum("...td,...sd->...ts", k, k), 0.0)
+  rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gcum))[..., None] * k], -1)
+  uw = jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+  u_free, w = uw[..., :dv], uw[..., dv:]                                # U, W
+  g_last = gcum[..., -1]                                                # [B, NC, H]
+  k_end = k * jnp.exp(g_last[..., None] - gcum)[..., None]             # exp(G_C - G_s) k_s
+  chunk_decay = jnp.exp(g_last)
+
+  def step(h, x):
+    dec, ke, u0, wc, rst, idx = x
+    h = jnp.where(rst[:, None, None, None], h0_table[idx], h)
+    u = u0 - jnp.einsum("bhck,bhkv->bhcv", wc, h)
+    return dec[..., None, None] * h + jnp.einsum("bhck,bhcv->bhkv", ke, u), (h, u)
+
+  time_major = lambda x: jnp.swapaxes(x, 0, 1)
+  xs = tuple(map(time_major, (chunk_decay, k_end, u_free, w, reset.reshape(b, nc),
+                              h0_index.reshape(b, nc))))
+  h_init = jnp.zeros((b,) + h0.shape[1:], h0.dtype)
+  _, (h_start, u) = jax.lax.scan(step, h_init, xs)
+  h_start, u = time_major(h_start), time_major(u)
+
+  # A segment's final state: the update of its last chunk, for those chunks only.
+  last = jnp.clip(seg_start + seg_chunks - 1, 0, b * nc - 1)
+  at_last = lambda x: x.reshape((b * nc,) + x.shape[2:])[last]
+  h_end = (at_last(chunk_decay)[..., None, None] * at_last(h_start)
+           + jnp.einsum("zhck,zhcv->zhkv", at_last(k_end), at_last(u)))
+  final = jnp.where((seg_chunks > 0)[:, None, None, None], h_end, h0)
+
+  scores = decay * jnp.einsum("...td,...sd->...ts", q, k)
+  o = (jnp.exp(gcum)[..., None] * jnp.einsum("bnhck,bnhkv->bnhcv", q, h_start)
+       + jnp.einsum("bnhts,bnhsv->bnhtv", scores, u))
+  covered = chunked.covered_chunks(seg_start, seg_chunks, b * nc).reshape(b, nc, 1, 1, 1)
+  return jnp.where(covered, jnp.moveaxis(o, 2, 3), 0.0), final
+
+
+def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = False,
+                     sorted_tail: int = 0):
+  """`chunk_gdn` over slots grouped into segments (see `packing`).
+
+  rows: (q, k, v, g, beta), each [P, ...] (P slots, in time order within each segment);
+  slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted, sorted_tail as in
+  `packing.chunk_layout`. Padding rows are zero: identities. Returns o [P, H, Dv] and the
+  final state of every segment [Z, H, Dk, Dv].
+  """
+  num_chunks = packing.max_chunks(slot_segment.shape[0], h0.shape[0], chunk_size)
+  layout = packing.chunk_layout(slot_segment, h0.shape[0], chunk_size, presorted,
+                                sorted_tail)
+  buffers = [packing.scatter_rows(x, layout.rows, num_chunks * chunk_size).reshape(
+      (1, num_chunks, chunk_size) + x.shape[1:]) for x in rows]
+  o, final = chunk_gdn(*buffers, h0, layout.seg_start, layout.seg_chunks)
+  o = o.reshape((num_chunks * chunk_size,) + o.shape[3:])
+  return packing.gather_rows(o, layout.rows), final
+
+
+def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int):
+  """The chunked form on [B, T, ...] inputs (compute dtype, q scaled): equal-length rows
+  of the batch, or B == 1 row of packed sequences."""
+  b, t = q.shape[:2]
+  if cu_seqlens is not None:
+    seq, _ = reference.sequence_ids(cu_seqlens, t)
+    # Sequence ids never decrease along T: the slots are already in segment order.
+    o, final = packed_chunk_gdn(tuple(x[0] for x in (q, k, v, g, beta)), seq, h0,
+                                chunk_size, presorted=True)
+    return o[None], final
+  nc = -(-t // chunk_size)
+
+  def chunks(x):  # zero rows up to a whole number of chunks: identities
+    x = jnp.pad(x, [(0, 0), (0, nc * chunk_size - t)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape((b, nc, chunk_size) + x.shape[2:])
+
+  o, final = chunk_gdn(*map(chunks, (q, k, v, g, beta)), h0,
+                       jnp.arange(b, dtype=jnp.int32) * nc, jnp.full((b,), nc, jnp.int32))
+  return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], final
+
+
+def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, impl="chunk", chunk_size: int = DEFAULT_CHUNK):
+  """The gated delta rule (module docstring; design.md, section 6).
+
+  Args:
+    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]. Not normalised here (the layer L2-normalises
+      q and k).
+    g: [B, T, H], the log decay, g <= 0; -inf is a hard reset (the state before is
+      forgotten), exact in every impl. g > 0 or NaN raises a ValueError on concrete
+      values; under `jit` it is the caller's contract (`checked` checks it).
+    beta: [B, T, H], the write strength in [0, 2] (checked like g).
+    scale: multiplies q; defaults to Dk ** -0.5.
+    initial_state: [B, H, Dk, Dv], or [S, H, Dk, Dv] with `cu_seqlens`.
+    output_final_state: also return the final state(s).
+    cu_seqlens: int32 [S + 1] boundaries of S sequences packed along T (needs B == 1);
+      starts at 0, never decreases, ends at T (checked on concrete values; under `jit`
+      the caller's contract, checked by `checked`).
+    impl: "chunk" (default; chunkwise-parallel WY form), "auto" or "scan" (reference).
+    chunk_size: C, a positive int.
+  Returns:
+    (o [B, T, H, Dv] in v's dtype, final_state or None). States are float32, or float64
+    when an input is float64. Empty inputs (B, T, H, Dk or Dv = 0) give zeros and the
+    initial state as the final state.
+  """
+  q, k, v, g, beta, cu_seqlens, initial_state = (checks.as_array(n, x) for n, x in (
+      ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("cu_seqlens", cu_seqlens),
+      ("initial_state", initial_state)))
+  b, t, h, dk, dv = check_inputs(q, k, v, g, beta)
+  impl = parse_impl(impl)
+  chunk_size = check_chunk_size(chunk_size)
+  checks.check_scale(scale)
+  nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
+  nstate = b if nseq is None else nseq
+  checks.check_state("initial_state", initial_state, (nstate, h, dk, dv))
+  check_gates(g, beta)
+  for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", initial_state)):
+    checks.check_finite(name, x)
+  dtype = checks.compute_dtype(q, k, v, g, beta, initial_state)
+  h0 = (jnp.zeros((nstate, h, dk, dv), dtype) if initial_state is None
+        else initial_state.astype(dtype))
+  if 0 in (b, t, h, dk, dv):  # nothing to compute (and no -1 axis to infer below)
+    return jnp.zeros((b, t, h, dv), v.dtype), (h0 if output_final_state else None)
+  scale = dk ** -0.5 if scale is None else scale
+  return _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, impl=impl, chunk_size=chunk_size,
+              dtype=dtype, output_final_state=output_final_state)
+
+
+# One compiled program per configuration (as `gla`'s): eager calls run one executable.
+@functools.partial(jax.jit, static_argnames=("impl", "chunk_size", "dtype",
+                                             "output_final_state"))
+def _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, *, impl, chunk_size, dtype,
+         output_final_state):
+  """gdn's computation on checked inputs, h0 already in `dtype`."""
+  b, h = q.shape[0], q.shape[2]
+  out_dtype = v.dtype
+  q = q.astype(dtype) * scale
+  k, v, g, beta = (x.astype(dtype) for x in (k, v, g, beta))
+
+  def run(q, k, v, g, beta, h0):
+    if impl == "scan":
+      return gdn_scan(q, k, v, g, beta, h0, cu_seqlens)
+    return chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size)
+
+  axes = sharding.shard_axes(b, h)  # a context mesh: one batch / head shard per device
+  if axes is None:
+    o, final = run(q, k, v, g, beta, h0)
+  else:
+    act, gate = sharding.spec(axes, 4, head_dim=2), sharding.spec(axes, 3, head_dim=2)
+    state = sharding.spec(axes, 4, head_dim=1)
+    o, final = sharding.per_shard(run, (q, k, v, g, beta, h0),
+                                  (act, act, act, gate, gate, state), (act, state))
+  return o.astype(out_dtype), (final.astype(dtype) if output_final_state else None)
+
+
+def gdn_decode_step(q, k, v, g, beta, state, *, scale=None):
+  """One gated delta-rule step: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H];
+  state [B, H, Dk, Dv]. g <= 0 and beta in [0, 2] as in `gdn`.
+
+  Returns (o [B, H, Dv] in v's dtype, new state in the state's dtype). Continuing from
+  `gdn(..., output_final_state=True)` reproduces the outputs of one full call.
+  """
+  q, k, v, g, beta, state = (checks.as_array(n, x) for n, x in (
+      ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)))
+  b, h, dk, dv = check_inputs(q, k, v, g, beta, step=True)
+  checks.check_state("state", state, (b, h, dk, dv))
+  check_gates(g, beta)
+  for name, x in (("q", q), ("k", k), ("v", v), ("state", state)):
+    checks.check_finite(name, x)
+  scale = dk ** -0.5 if scale is None else scale
+  dt = state.dtype
+  state = delta_rule_step(state, *(x.astype(dt) for x in (k, v, g, beta)))
+  o = jnp.einsum("bhk,bhkv->bhv", q.astype(dt) * scale, state)
+  return o.astype(v.dtype), state
