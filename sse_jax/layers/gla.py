@@ -80,12 +80,12 @@ class GLA(LinearMixer):
     c = self.config
     return jnp.zeros((batch, c.num_heads, c.head_k, c.head_v), jnp.float32)
 
-  def attend(self, x: jax.Array, cache: RecurrentCache | None = None, cu_seqlens=None):
-    """x [B, T, D] -> (o [B, T, H, Dv] before the output head, the updated cache or
-    None, None: no routing)."""
+  def inputs(self, x: jax.Array, conv_state=None, positions=None):
+    """x [B, T, D] -> (q, k [B, T, H, Dk], v [B, T, H, Dv] after the feature maps, the
+    log decay g [B, T, H, Dk] the state rows take (row mask applied), the new conv state
+    or None): what the recurrence reads (`attend`; also the state diagnostics)."""
     c = self.config
-    q, k, v, conv = self.qkv(x, None if cache is None else cache.conv,
-                             sequences.positions_or_none(cu_seqlens, x.shape[1]))
+    q, k, v, conv = self.qkv(x, conv_state, positions)
     g = self.decay(x)
     keep = features.row_mask(c.key_activation, k)
     if keep is not None:
@@ -96,6 +96,14 @@ class GLA(LinearMixer):
     q = features.activate(c.query_activation, q)
     k = features.activate(c.key_activation, k)
     v = features.activate(c.value_activation, v)
+    return q, k, v, g, conv
+
+  def attend(self, x: jax.Array, cache: RecurrentCache | None = None, cu_seqlens=None):
+    """x [B, T, D] -> (o [B, T, H, Dv] before the output head, the updated cache or
+    None, None: no routing)."""
+    c = self.config
+    q, k, v, g, conv = self.inputs(x, None if cache is None else cache.conv,
+                                   sequences.positions_or_none(cu_seqlens, x.shape[1]))
     state = None if cache is None else cache.state
     o, state = run_gla(q, k, v, g, state, impl=c.impl, chunk_size=c.chunk_size,
                        decode=cache is not None and x.shape[1] == 1, cu_seqlens=cu_seqlens)
