@@ -1,10 +1,11 @@
 """Chunkwise GLA forward and backward as Pallas (Triton) GPU kernels.
 
-Same contract as the XLA chunk core `sse_jax.ops.chunked.chunk_gla` (the reference
-beside which these kernels are tested): inputs are whole chunks of C tokens grouped in
-*segments* (a sequence, or one (sequence, partition) of the SSE varlen path), each
-starting from its own initial state. Because the callers pad every segment to whole
-chunks (`sse_jax.ops.packing`), no kernel ever sees a sequence boundary inside a chunk.
+Inputs are whole chunks of C tokens grouped in *segments* (a sequence, or one
+(sequence, partition) of an SSE layer), each starting from its own initial state; the
+caller pads every segment to whole chunks, so no kernel ever sees a sequence boundary
+inside a chunk. `chunk_gla` states the contract; `reference` computes the same thing
+one token at a time, for the tests. Nothing here imports the package that calls it:
+the dependency runs one way, from the ops to these kernels.
 
 Per chunk, with b_t = sum_{u <= t} g_u (in-chunk cumulative log decay, b <= 0,
 non-increasing), Gamma = b_{C-1} and H the state entering the chunk:
@@ -72,7 +73,6 @@ trades that memory for one more sweep).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -82,12 +82,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sse_jax.ops import chunked
-
 SUB = 16  # L: rows of a sub-chunk.
-_VALID_D = (16, 32, 64, 128, 256)
-HEAD_DIMS = _VALID_D  # the head dims Dk, Dv the kernels support
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims Dk, Dv the kernels support
 CHUNKS = (16, 32, 64, 128)  # the chunk lengths they support
+
+
+def shape_error(chunk: int | None, dk: int, dv: int) -> str | None:
+  """Why the kernels cannot take chunk length `chunk` (None: not checked) and head dims
+  (dk, dv), in one line naming the value; None when they can. The one place these
+  limits are checked."""
+  if chunk is not None and chunk not in CHUNKS:
+    return f"chunk_size={chunk!r}: the Pallas kernels take chunk sizes {CHUNKS}"
+  for name, d in (("Dk", dk), ("Dv", dv)):
+    if d not in HEAD_DIMS:
+      return f"{name}={d!r}: the Pallas kernels support head dims {HEAD_DIMS}"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +156,8 @@ class BlockSizes:
       raise ValueError(f"chunk={self.chunk} must be one of {CHUNKS}")
     for name in ("block_k", "block_v", "sweep_k", "sweep_v"):
       value = getattr(self, name)
-      if value not in _VALID_D:
-        raise ValueError(f"{name}={value} must be one of {_VALID_D}")
+      if value not in HEAD_DIMS:
+        raise ValueError(f"{name}={value} must be one of {HEAD_DIMS}")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be a power of 2 <= 16")
     if self.diag_unroll not in (1, 2, 4, 8, 16):
@@ -163,9 +172,9 @@ class BlockSizes:
 
   def tiles(self, dk: int, dv: int) -> tuple[int, int]:
     """(block_k, block_v) clipped to the head dims, which are checked here."""
-    for name, d in (("Dk", dk), ("Dv", dv)):
-      if d not in _VALID_D:
-        raise ValueError(f"{name}={d}: the Pallas kernels support head dims {_VALID_D}")
+    error = shape_error(self.chunk, dk, dv)
+    if error:
+      raise ValueError(error)
     return min(self.block_k, dk), min(self.block_v, dv)
 
   def sweep_tiles(self, dk: int, dv: int) -> tuple[int, int]:
@@ -1025,8 +1034,19 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk",
   )(valid, q, k, b, v, do, h_start, dh, _output_scores(do, v))
   db = db.at[:, -1].add(jnp.sum(d_gamma, axis=2))
-  # dg_u = sum_{t >= u} db_t: the in-chunk cumulative sum, taken backwards.
-  return dq, dk_, jnp.flip(chunked.in_chunk_cumsum(jnp.flip(db, 1), axis=1), 1)
+  return dq, dk_, _suffix_sums_over_chunk(db)
+
+
+def _suffix_sums_over_chunk(db):
+  """dg_u = sum_{t >= u} db_t along axis 1 (a chunk's C rows) of [NC, C, H, Dk] fp32.
+
+  One matmul with an upper-triangular matrix of ones at full precision, not a reversed
+  cumsum: XLA on GPU fuses a cumsum's windowed reduction with its producer and
+  recomputes that for every element of the window; a dot reads its operand once."""
+  c = db.shape[1]
+  upper = jnp.triu(jnp.ones((c, c), db.dtype))
+  return jnp.einsum("st,ntf->nsf", upper, db.reshape(db.shape[:2] + (-1,)),
+                    precision=lax.Precision.HIGHEST).reshape(db.shape)
 
 
 def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
@@ -1083,7 +1103,11 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
 
 
 def _valid_chunks(start, count, nc):
-  return chunked.covered_chunks(start, count, nc).astype(jnp.int32)
+  """int32 [NC]: 1 for a chunk inside some segment [start, start + count), else 0
+  (+1 at each non-empty segment's start, -1 past its end, summed)."""
+  edge = lambda at, d: jnp.zeros((nc,), jnp.int32).at[jnp.where(count > 0, at, nc)].add(
+      d, mode="drop")
+  return (jnp.cumsum(edge(start, 1) + edge(start + count, -1)) > 0).astype(jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -1126,73 +1150,33 @@ def storage_dtype_for(dtype) -> jnp.dtype:
   return dtype if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
-_FORCE_INTERPRET: list[bool] = []
-
-
-@contextlib.contextmanager
-def force_interpret(value: bool = True):
-  """Traces inside this context run the kernels in interpret mode (or not).
-
-  For tests: the GPU test classes rerun themselves in interpret mode this way. It acts
-  at trace time, so use it around fresh `jit` traces.
-  """
-  _FORCE_INTERPRET.append(value)
-  try:
-    yield
-  finally:
-    _FORCE_INTERPRET.pop()
-
-
-_BLOCK_SIZE_DEFAULTS: list[dict] = []
-
-
-@contextlib.contextmanager
-def block_size_defaults(**fields):
-  """Traces inside this context use BlockSizes(chunk=C, **fields) wherever no
-  block_sizes is passed (the ops API passes none): for timing variants of the whole
-  ops (`experiments.bench_ops --block_sizes`). Acts at trace time, like
-  force_interpret; the fields are validated on entry.
-  """
-  BlockSizes(**fields)
-  _BLOCK_SIZE_DEFAULTS.append(fields)
-  try:
-    yield
-  finally:
-    _BLOCK_SIZE_DEFAULTS.pop()
-
-
-def trace_settings() -> tuple:
-  """The settings of force_interpret and block_size_defaults now in effect, hashable:
-  a static argument of the ops' jitted bodies (`sse_jax.ops.gla._gla`), so that a
-  change of either makes them trace again instead of reusing an earlier trace."""
-  fields = _BLOCK_SIZE_DEFAULTS[-1] if _BLOCK_SIZE_DEFAULTS else {}
-  return (_FORCE_INTERPRET[-1] if _FORCE_INTERPRET else None, tuple(sorted(fields.items())))
-
-
 def default_interpret() -> bool:
   """Pallas-Triton kernels need a GPU; elsewhere they run in interpret mode."""
-  if _FORCE_INTERPRET:
-    return _FORCE_INTERPRET[-1]
   return jax.default_backend() != "gpu"
 
 
 def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
               interpret=None, storage_dtype=None):
-  """Pallas chunk core, same contract as `sse_jax.ops.chunked.chunk_gla`.
+  """Chunked GLA over pre-chunked inputs organised in segments (module docstring).
 
   Args:
     q, k, g: [B, NC, C, H, Dk]; v: [B, NC, C, H, Dv]; q already scaled. q, k, v are
       cast to `storage_dtype` (default: bf16 if q is bf16, else fp32): the dtype of
-      the matmul operands. g and everything accumulated are fp32.
-    h0: [Z, H, Dk, Dv]; seg_start, seg_chunks: int [Z] over the flattened B * NC chunks.
-    block_sizes: tiles; default BlockSizes(chunk=C) (see block_size_defaults).
-    interpret: run the kernels in interpret mode; default: when there is no GPU.
+      the matmul operands. g and everything accumulated are fp32. g is a finite log
+      decay <= 0: a hard reset (-inf) must be raised to a large negative value first
+      (exp(-200) is 0 in fp32), else differences of in-chunk sums give NaN.
+    h0: [Z, H, Dk, Dv] initial state of each segment.
+    seg_start, seg_chunks: int [Z]; segment z occupies the flattened chunks
+      b * NC + c in [seg_start, seg_start + seg_chunks), never crossing a batch row.
+    block_sizes (static): tiles; default BlockSizes(chunk=C).
+    interpret (static): run the kernels in interpret mode; default: when the default
+      backend is not a GPU (`default_interpret`).
   Returns:
-    o [B, NC, C, H, Dv] in v's dtype, final states [Z, H, Dk, Dv] fp32.
+    o [B, NC, C, H, Dv] in v's dtype (zero in chunks of no segment) and the final
+    state of each segment [Z, H, Dk, Dv] fp32 (an empty segment keeps h0).
   """
   bsz, nc, c, h, dk = q.shape
-  fields = _BLOCK_SIZE_DEFAULTS[-1] if _BLOCK_SIZE_DEFAULTS else {}
-  block_sizes = block_sizes or BlockSizes(**{"chunk": c, **fields})
+  block_sizes = block_sizes or BlockSizes(chunk=c)
   if c != block_sizes.chunk:
     raise ValueError(f"chunk length {c} != block_sizes.chunk={block_sizes.chunk}")
   block_sizes.tiles(dk, v.shape[-1])
@@ -1200,10 +1184,39 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
   flat = lambda x: x.reshape((bsz * nc,) + x.shape[2:])
   dtype = storage_dtype or storage_dtype_for(q.dtype)
   q, k, v = (flat(x).astype(dtype) for x in (q, k, v))
-  g = chunked.floor_log_decay(flat(g).astype(jnp.float32))
-  o, final = _core(q, k, v, g, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
-                   seg_chunks.astype(jnp.int32), block_sizes, interpret)
+  o, final = _core(q, k, v, flat(g).astype(jnp.float32), h0.astype(jnp.float32),
+                   seg_start.astype(jnp.int32), seg_chunks.astype(jnp.int32),
+                   block_sizes, interpret)
   return o.reshape((bsz, nc) + o.shape[1:]), final
 
 
-reference = chunked.chunk_gla  # the XLA core these kernels must match
+def reference(q, k, v, g, h0, seg_start, seg_chunks):
+  """What `chunk_gla` computes, one token at a time (for the tests; any float dtype).
+
+  Same arguments and results. Row by row over the flattened B * NC * C tokens:
+  S = h0[z] at the first row of segment z, then S = diag(e^g) S + k^T v, o = q S;
+  rows of no segment give o = 0 and leave every state alone.
+  """
+  c, dv = q.shape[2], v.shape[-1]
+  rows = lambda x: x.reshape((-1,) + x.shape[3:])                # [B NC C, H, D]
+  chunk = jnp.arange(q.shape[0] * q.shape[1])
+  inside = ((chunk[:, None] >= seg_start[None]) &
+            (chunk[:, None] < (seg_start + seg_chunks)[None]))      # [B NC, Z]
+  z = h0.shape[0]
+  owner = jnp.where(inside.any(1), jnp.argmax(inside, 1), z)      # Z: no segment
+  starts = (owner < z) & (chunk == seg_start[jnp.minimum(owner, z - 1)])
+  seg = jnp.repeat(owner, c)
+  first = jnp.repeat(starts, c) & (jnp.arange(seg.shape[0]) % c == 0)
+
+  def step(carry, x):
+    s, finals = carry
+    qt, kt, vt, gt, zt, start = x
+    s = jnp.where(start, h0[jnp.minimum(zt, z - 1)], s)
+    s = jnp.exp(gt)[..., None] * s + kt[..., None] * vt[..., None, :]
+    finals = finals.at[zt].set(s, mode="drop")
+    o = jnp.where(zt < z, jnp.einsum("hk,hkv->hv", qt, s), 0)
+    return (s, finals), o
+
+  init = (jnp.zeros(h0.shape[1:], h0.dtype), h0)
+  (_, finals), o = lax.scan(step, init, (rows(q), rows(k), rows(v), rows(g), seg, first))
+  return o.reshape(q.shape[:-1] + (dv,)).astype(v.dtype), finals

@@ -140,7 +140,12 @@ def test_decode_steps_continue_prefill():
     (dict(chunk_size=24), "chunk_size=24"),
     (dict(q=jnp.zeros((2, 8, 2, 8), jnp.int32)), "q must be a floating-point array"),
     (dict(chunk_size=48, impl="pallas_chunk"),
-     r"chunk_size=48: impl='pallas_chunk' supports chunk sizes \(16, 32, 64, 128\)"),
+     r"chunk_size=48: the Pallas kernels take chunk sizes \(16, 32, 64, 128\) "
+     r"\(impl='pallas_chunk'\)"),
+    (dict(impl="pallas_chunk"), r"Dk=8: the Pallas kernels support head dims \(16, 32"),
+    (dict(impl=ops.Plan(ops.Algorithm.VARLEN, ops.XlaCore())),
+     "impl algorithm 'varlen' is not available for gla; choose one of scan, chunk"),
+    (dict(impl=ops.Plan(ops.Algorithm.CHUNK)), "impl core None does not fit algorithm"),
     (dict(chunk_size=True), "chunk_size=True must be a positive multiple of 16"),
     (dict(scale=jnp.ones((2,))), r"scale must be a scalar, got shape \(2,\)"),
     (dict(initial_state=(jnp.zeros((2, 2, 8, 4)),) * 2),
@@ -190,7 +195,8 @@ def test_no_tokens_keeps_the_initial_state(impl, cu):
 def test_infinite_and_huge_decays_reset_the_state_without_nan(impl, dtype, tol):
   """g = -inf (a hard reset) and g = -1e38 rows, also several in one chunk and at a
   chunk's first row: the chunked paths match the scan, values and gradients, instead
-  of turning -inf - (-inf) into NaN (chunked.LOG_DECAY_FLOOR). Pallas runs fp32."""
+  of turning -inf - (-inf) into NaN (chunked.LOG_DECAY_FLOOR, applied by
+  gla.run_core). Pallas runs fp32."""
   with x64():
     x = random_qkvg(jax.random.PRNGKey(8), 1, 100, 2, 16, 16, dtype)
     g = x.g.at[:, 5].set(-jnp.inf).at[:, 9].set(-1e38).at[:, 32].set(-jnp.inf)

@@ -211,7 +211,9 @@ def _sse_args(**over):
     (dict(initial_state=jnp.zeros((1, 3, 2, 8, 8))), r"initial_state must have shape \(1, 4, 2, 8, 8\)"),
     (dict(initial_state=(jnp.zeros((1, 4, 2, 8, 8)), jnp.zeros((1, 2, 8, 8)))),
      "initial_state is a tuple, but shared is None"),
-    (dict(chunk_size=256, impl="pallas_varlen"), "chunk_size=256: impl='pallas_varlen'"),
+    (dict(chunk_size=256, impl="pallas_varlen"),
+     r"chunk_size=256: the Pallas kernels take chunk sizes \(16, 32, 64, 128\) "
+     r"\(impl='pallas_varlen'\)"),
     (dict(scale=jnp.ones((1, 2))), "scale must be a scalar"),
 ])
 def test_bad_inputs_raise(bad, match):

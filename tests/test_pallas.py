@@ -2,8 +2,10 @@
 
 `TestPallasGPU` runs the kernels compiled for the GPU (skipped without one);
 `TestPallasInterpret` reruns every test in Pallas interpret mode, which is what CI
-exercises on CPU. `test_kernels_lower_for_cuda` lowers the real (non-interpret)
-kernels for CUDA on any machine, so Triton-only restrictions fail in CI too.
+exercises on CPU: the mode is the `interpret` field of the ops' typed impl
+(`ops.PallasCore`), passed explicitly. `test_kernels_lower_for_cuda` lowers the real
+(non-interpret) kernels for CUDA on any machine, so Triton-only restrictions fail in
+CI too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 
 from pallas_kernels import chunk_gla as pallas_chunk_gla
 from sse_jax import ops
+from sse_jax.ops import chunked
+from sse_jax.ops import impl as impl_lib
 from tests.op_testing import assert_close, random_qkvg, random_routing, rel_err, x64
 
 BF16_TOL = 5e-3   # bf16 matmul operands, fp32 accumulation (the issue's target)
@@ -48,6 +52,12 @@ def _up(tree, dtype):
       lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
+def pallas(algorithm: str, interpret: bool | None = None, **block_sizes) -> ops.Plan:
+  """The typed impl: `algorithm` ("chunk", "varlen", ...) on the Pallas core."""
+  bs = pallas_chunk_gla.BlockSizes(**block_sizes) if block_sizes else None
+  return ops.Plan(ops.Algorithm(algorithm), ops.PallasCore(bs, interpret))
+
+
 def _compare(out, ref, tol, names):
   leaves = jax.tree_util.tree_leaves
   for name, a, r in zip(names, leaves(out), leaves(ref)):
@@ -68,8 +78,11 @@ class TestPallasGPU:
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", category=DeprecationWarning,
                               message="The Pallas Triton backend is deprecated")
-      with pallas_chunk_gla.force_interpret(self.INTERPRET):
-        yield
+      yield
+
+  def impl(self, name: str) -> ops.Plan:
+    """The Pallas impl `name` ("pallas_varlen", ...) in this class's mode."""
+    return pallas(name.removeprefix("pallas_"), self.INTERPRET)
 
   @pytest.mark.parametrize("b, t, dk, dv, cu, chunk, with_h0", [
       (1, 100, 16, 16, (0, 30, 30, 100), 32, True),   # ragged, empty sequence, T % C
@@ -85,7 +98,7 @@ class TestPallasGPU:
     ks = jax.random.split(jax.random.PRNGKey(2), 3)
     h0 = jax.random.normal(ks[0], (s, 2, dk, dv))
     cot = (jax.random.normal(ks[1], (b, t, 2, dv)), jax.random.normal(ks[2], h0.shape))
-    (_, out), grads = _gla_value_and_grads("pallas_chunk", cu, chunk, with_h0)(
+    (_, out), grads = _gla_value_and_grads(self.impl("pallas_chunk"), cu, chunk, with_h0)(
         *x, h0, cot)
     with x64():
       (_, ref), ref_grads = _gla_value_and_grads("scan", cu, chunk, with_h0)(
@@ -118,7 +131,7 @@ class TestPallasGPU:
     cot = (jax.random.normal(keys[6], (b, t, h, d)), jax.random.normal(keys[7], h0[0].shape),
            jax.random.normal(keys[7], h0[1].shape))
     args = (*x, (w[0], rw[0]), shared, h0, (w[1], rw[1]), cot)
-    (_, out), grads = _sse_value_and_grads(impl, n, cu, 32, gate, read)(*args)
+    (_, out), grads = _sse_value_and_grads(self.impl(impl), n, cu, 32, gate, read)(*args)
     with x64():
       (_, ref), ref_grads = _sse_value_and_grads("scan", n, cu, 32, gate, read)(
           *_up(args, jnp.float64))
@@ -138,7 +151,7 @@ class TestPallasGPU:
     x = random_qkvg(jax.random.PRNGKey(5), b, t, h, d, d)
     w, idx = random_routing(jax.random.PRNGKey(6), b, t, n, 2, mode="skip_last")
     h0 = jax.random.normal(jax.random.PRNGKey(7), (b, n, h, d, d))
-    fn = jax.jit(functools.partial(ops.sse, num_partitions=n, impl=impl,
+    fn = jax.jit(functools.partial(ops.sse, num_partitions=n, impl=self.impl(impl),
                                    output_final_state=True, chunk_size=32))
     o, final = fn(*x, w, idx, initial_state=h0)
     np.testing.assert_array_equal(np.asarray(final[:, -1]), np.asarray(h0[:, -1]))
@@ -157,7 +170,8 @@ class TestPallasGPU:
     ks = jax.random.split(jax.random.PRNGKey(11), 3)
     h0 = jax.random.normal(ks[0], (1, 1, dk, dv))
     cot = (jax.random.normal(ks[1], (1, 100, 1, dv)), jax.random.normal(ks[2], h0.shape))
-    (_, out), grads = _gla_value_and_grads("pallas_chunk", None, 64, True)(*x, h0, cot)
+    (_, out), grads = _gla_value_and_grads(self.impl("pallas_chunk"), None, 64, True)(
+        *x, h0, cot)
     with x64():
       (_, ref), ref_grads = _gla_value_and_grads("scan", None, 64, True)(
           *_up(tuple(x), jnp.float64), _up(h0, jnp.float64), _up(cot, jnp.float64))
@@ -187,7 +201,8 @@ class TestPallasGPU:
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
-    core against its XLA twin (chunk 32: four chunks in two segments and a gap; Dk = 64
+    core against its own one-token-at-a-time reference in float64 and the ops' XLA
+    chunk core in float32 (chunk 32: four chunks in two segments and a gap; Dk = 64
     so that block_k = 32 splits the dq/dk kernel into two Dk blocks). Chunks 1 and 3
     have gentler gates (sub-block spans ~3 and ~32-43, around the default threshold of
     40) and take the diagonal-matmul path where the span allows,
@@ -213,9 +228,10 @@ class TestPallasGPU:
         return jnp.sum(o * cot) + jnp.sum(f), (o, f)
       return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True))(q, k, v, g, h0)
 
-    (_, out), grads = run(functools.partial(pallas_chunk_gla.chunk_gla, block_sizes=bs))
+    (_, out), grads = run(functools.partial(pallas_chunk_gla.chunk_gla, block_sizes=bs,
+                                            interpret=self.INTERPRET))
     with jax.default_matmul_precision("highest"):  # XLA's GPU default would be TF32
-      (_, ref32), ref32_grads = run(pallas_chunk_gla.reference)
+      (_, ref32), ref32_grads = run(chunked.chunk_gla)
     with x64():
       q, k, v, g, h0, cot = _up((q, k, v, g, h0, cot), jnp.float64)
       (_, ref), ref_grads = run(pallas_chunk_gla.reference)
@@ -237,6 +253,34 @@ class TestPallasInterpret(TestPallasGPU):
   fp32_tol = 1e-5
 
 
+def test_kernel_reference_is_the_xla_chunk_core():
+  """The kernel file's own reference (one token at a time) and the ops' XLA chunk core
+  agree in float64, on segments with an empty one, a gap and a batch row of two."""
+  with x64():
+    keys = jax.random.split(jax.random.PRNGKey(4), 5)
+    shape = (2, 3, 16, 2)
+    q, k = (jax.random.normal(kk, shape + (16,), jnp.float64) for kk in keys[:2])
+    v = jax.random.normal(keys[2], shape + (32,), jnp.float64)
+    g = -jnp.abs(jax.random.normal(keys[3], shape + (16,), jnp.float64))
+    h0 = jax.random.normal(keys[4], (4, 2, 16, 32), jnp.float64)
+    start, count = jnp.asarray([0, 2, 3, 5]), jnp.asarray([2, 0, 2, 0])
+    ref = pallas_chunk_gla.reference(q, k, v, g, h0, start, count)
+    xla = chunked.chunk_gla(q, k, v, g, h0, start, count)
+    for name, a, b in zip(("o", "final"), ref, xla):
+      assert_close(a, b, 1e-12, name)
+
+
+def test_kernels_import_nothing_from_sse_jax():
+  """The dependency runs one way, from the ops to the kernels."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  for path in pathlib.Path(pallas_chunk_gla.__file__).parent.glob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      assert not any(n.split(".")[0] == "sse_jax" for n in names), (path.name, names)
+
+
 def test_block_sizes_validate():
   with pytest.raises(ValueError, match="chunk=48"):
     pallas_chunk_gla.BlockSizes(chunk=48)
@@ -248,14 +292,12 @@ def test_block_sizes_validate():
     pallas_chunk_gla.BlockSizes().tiles(40, 64)
 
 
-def _cuda_triton_calls(fn, *args, interpret=False):
-  """Number of Triton kernel calls in jit(fn) lowered for CUDA (Pallas kernels compiled,
-  not interpreted, unless `interpret`); the lowering itself is the check that Triton
-  accepts them."""
+def _cuda_triton_calls(fn, *args):
+  """Number of Triton kernel calls in jit(fn) lowered for CUDA; the lowering itself is
+  the check that Triton accepts them (for the kernels compiled: interpret=False)."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    with pallas_chunk_gla.force_interpret(interpret):
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
 
 
@@ -270,9 +312,9 @@ def test_kernels_lower_for_cuda():
   cu = jnp.asarray((0, 64, 128), jnp.int32)
 
   def loss(q, k, v, g, w):
-    o1, _ = ops.gla(q, k, v, g, cu_seqlens=cu, impl="pallas_chunk")
+    o1, _ = ops.gla(q, k, v, g, cu_seqlens=cu, impl=pallas("chunk", interpret=False))
     o2, _ = ops.sse(q, k, v, g, w, idx, num_partitions=4, cu_seqlens=cu,
-                    impl="pallas_varlen", shared=(q, k, g))
+                    impl=pallas("varlen", interpret=False), shared=(q, k, g))
     return jnp.sum(o1.astype(jnp.float32)) + jnp.sum(o2.astype(jnp.float32))
 
   # Per op: forward scores (and gate sums), states, outputs; backward reverse states
@@ -318,22 +360,27 @@ def test_kernels_lower_for_cuda():
   assert calls == 6, f"C = 128, D = 256: expected 6 Triton kernel calls, found {calls}"
 
 
-def test_trace_settings_are_not_frozen_by_the_ops_jit():
-  """The ops jit their bodies; force_interpret and block_size_defaults act at trace
-  time, so a change of either must retrace them, not reuse the first trace: the same
-  op lowered for CUDA has no Triton calls in interpret mode, then its kernels again
-  (and other kernels under other block sizes)."""
+def test_block_sizes_and_interpret_mode_key_the_ops_jit():
+  """The ops jit their bodies with the typed impl as a static argument: another
+  interpret flag or other block sizes trace them again instead of reusing the first
+  trace. The same op lowered for CUDA has no Triton calls in interpret mode, then its
+  kernels, then other kernels under other block sizes; a string impl resolves to the
+  plan with those fields filled in."""
   x = random_qkvg(jax.random.PRNGKey(0), 1, 64, 1, 32, 32, jnp.float32)
-  for op in (lambda q, k, v, g: ops.gla(q, k, v, g, impl="pallas_chunk", chunk_size=32)[0],
-             lambda q, k, v, g: ops.sse(q, k, v, g, jnp.ones((1, 64, 1)),
+  for op, algorithm in (
+      (lambda q, k, v, g, impl: ops.gla(q, k, v, g, impl=impl, chunk_size=32)[0], "chunk"),
+      (lambda q, k, v, g, impl: ops.sse(q, k, v, g, jnp.ones((1, 64, 1)),
                                         jnp.zeros((1, 64, 1), jnp.int32), num_partitions=2,
-                                        impl="pallas_varlen", chunk_size=32)[0]):
+                                        impl=impl, chunk_size=32)[0], "varlen")):
     # A fresh outer jit each time: only the ops' own jit could reuse a trace.
-    calls = lambda **kw: _cuda_triton_calls(lambda *a: op(*a), *x, **kw)
-    assert calls(interpret=True) == 0
-    assert calls() == 3  # forward: scores, states, outputs
-    with pallas_chunk_gla.block_size_defaults(fused_states=False):
-      assert calls() == 4  # local + sweep instead of one walk
+    calls = lambda impl: _cuda_triton_calls(lambda *a: op(*a, impl), *x)
+    assert calls(pallas(algorithm, interpret=True)) == 0
+    assert calls(pallas(algorithm, interpret=False)) == 3  # forward: scores, states, outputs
+    # local + sweep instead of one walk
+    assert calls(pallas(algorithm, interpret=False, chunk=32, fused_states=False)) == 4
+  resolved, c = impl_lib.plan("pallas_varlen", "sse", chunk_size=32, head_dims=(32, 32))
+  assert c == 32 and resolved == pallas(
+      "varlen", interpret=pallas_chunk_gla.default_interpret(), chunk=32)
 
 
 def test_profile_kernels_runs_every_kernel():
@@ -388,12 +435,11 @@ def test_profile_trace_attributes_device_time_to_hlo_ops():
 def test_storage_dtype_keeps_only_bf16_at_16_bits():
   """float16 runs the Pallas path in fp32 (its range overflows in the states: here
   they reach 1.7e5 > 65504), and mixed bf16 / fp32 inputs are not rounded to bf16."""
-  from sse_jax.ops import impl as impl_lib  # pylint: disable=g-import-not-at-top
-  pallas, f32 = impl_lib.Impl.PALLAS_CHUNK, jnp.float32
-  assert impl_lib.storage_dtype(pallas, [jnp.bfloat16] * 3, f32) == jnp.bfloat16
-  assert impl_lib.storage_dtype(pallas, [jnp.float16] * 3, f32) == jnp.float32
-  assert impl_lib.storage_dtype(pallas, [jnp.bfloat16, jnp.float32], f32) == jnp.float32
-  assert impl_lib.storage_dtype(impl_lib.Impl.CHUNK, [jnp.bfloat16], f32) == jnp.float32
+  core, f32 = ops.PallasCore(), jnp.float32
+  assert impl_lib.storage_dtype(core, [jnp.bfloat16] * 3, f32) == jnp.bfloat16
+  assert impl_lib.storage_dtype(core, [jnp.float16] * 3, f32) == jnp.float32
+  assert impl_lib.storage_dtype(core, [jnp.bfloat16, jnp.float32], f32) == jnp.float32
+  assert impl_lib.storage_dtype(ops.XlaCore(), [jnp.bfloat16], f32) == jnp.float32
   t = 192
   kv = jnp.full((1, t, 1, 16), 30.0, jnp.float16)
   q = jnp.full((1, t, 1, 16), 0.01, jnp.float16)  # o stays in float16 range
@@ -409,7 +455,6 @@ def test_storage_dtype_keeps_only_bf16_at_16_bits():
 
 
 def test_auto_picks_pallas_on_gpu_for_supported_head_dims(monkeypatch):
-  from sse_jax.ops import impl as impl_lib  # pylint: disable=g-import-not-at-top
   auto = impl_lib.Impl.AUTO
   on_this = impl_lib.pallas_gpu()
   assert (impl_lib.resolve_auto(auto, "gla", (16, 16)) is impl_lib.Impl.PALLAS_CHUNK) == on_this
@@ -419,6 +464,8 @@ def test_auto_picks_pallas_on_gpu_for_supported_head_dims(monkeypatch):
   # Head dims the kernels do not support: the XLA paths, not an error.
   assert impl_lib.resolve_auto(auto, "gla", (48, 64)) is impl_lib.Impl.CHUNK
   assert impl_lib.resolve_auto(auto, "sse", (64, 8)) is impl_lib.Impl.VARLEN
+  # A chunk size they do not take (the XLA core does): the XLA paths too.
+  assert impl_lib.resolve_auto(auto, "gla", (64, 64), chunk_size=48) is impl_lib.Impl.CHUNK
   monkeypatch.setattr(impl_lib, "pallas_gpu", lambda device=None: False)  # CPU, T4, AMD
   assert impl_lib.resolve_auto(auto, "gla", (128, 128)) is impl_lib.Impl.CHUNK
   assert impl_lib.resolve_auto(auto, "sse", (128, 128)) is impl_lib.Impl.VARLEN

@@ -24,7 +24,8 @@ from jax.experimental import checkify
 
 
 class Gate(enum.Enum):
-  """Where the router probability e_t^i multiplies (SPEC section 2, Table 7)."""
+  """Where the router probability e_t^i multiplies (docs/design.md, section 2; the
+  paper's Table 7)."""
 
   BOTH = "both"    # write: S += e k^T v ; read: o += e q S
   WRITE = "write"  # only the write

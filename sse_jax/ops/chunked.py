@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 SUBCHUNK = 16  # L: sub-chunk length of the overflow-safe intra-chunk factorisation.
 
-# Log decays below this are raised to it before the in-chunk cumulative sums (by every
-# chunk core: this one and the Pallas kernels). exp(-200)
+# Log decays below this are raised to it before the in-chunk cumulative sums of every
+# chunk core (this one and the Pallas kernels), by the ops (`gla.run_core`). exp(-200)
 # is 0 in fp32 and 1e-87 in fp64, so values and gradients do not change, but g = -inf
 # (a hard reset) or -1e38 no longer turns a difference of cumulative sums into
 # -inf - (-inf) = NaN, and large magnitudes do not eat the sums' precision.
@@ -134,6 +134,7 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks):
 
   Args:
     q, k, g: [B, NC, C, H, Dk] (q already scaled; compute dtype); v: [B, NC, C, H, Dv].
+      g: finite log decays <= 0 (`floor_log_decay` raises a -inf reset first).
     h0: [Z, H, Dk, Dv] initial state of each segment.
     seg_start, seg_chunks: int [Z]; segment z occupies the flattened chunks
       b * NC + c in [seg_start, seg_start + seg_chunks), never crossing a batch row.
@@ -146,7 +147,7 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks):
   reset, h0_index = reset.reshape(b, nc), h0_index.reshape(b, nc)
   h0_table = jnp.concatenate([h0, jnp.zeros((1,) + h0.shape[1:], h0.dtype)])
 
-  gcum = in_chunk_cumsum(floor_log_decay(g), axis=2)
+  gcum = in_chunk_cumsum(g, axis=2)
   g_last = gcum[:, :, -1]                                                # [B, NC, H, Dk]
   # Local state contribution of each chunk, with exp(G_C - G_s) <= 1.
   k_end = k * jnp.exp(g_last[:, :, None] - gcum)

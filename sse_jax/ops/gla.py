@@ -10,7 +10,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sse_jax.ops import checks
 from sse_jax.ops import chunked
@@ -18,7 +17,7 @@ from sse_jax.ops import packing
 from sse_jax.ops import reference
 from sse_jax.ops import sharding
 from sse_jax.ops import impl as impl_lib
-from sse_jax.ops.impl import GLA_IMPLS, Impl
+from sse_jax.ops.impl import Algorithm
 
 DEFAULT_CHUNK = 64
 
@@ -27,27 +26,10 @@ DEFAULT_CHUNK = 64
 ChunkCore = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def parse_impl(impl, allowed: tuple[Impl, ...], op: str) -> Impl:
-  impl = checks.parse_enum(Impl, impl, "impl")
-  if impl not in allowed:
-    names = ", ".join(repr(i.value) for i in allowed)
-    raise ValueError(f"impl={impl.value!r} is not available for {op}; choose one of {names}")
-  return impl
-
-
-def check_chunk_size(chunk_size: int, impl: Impl | None = None) -> int:
-  """chunk_size as an int: a positive multiple of 16, one the Pallas kernels support
-  for a Pallas impl."""
-  if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
-      or chunk_size < chunked.SUBCHUNK or chunk_size % chunked.SUBCHUNK):
-    raise ValueError(
-        f"chunk_size={chunk_size!r} must be a positive multiple of {chunked.SUBCHUNK}")
-  if impl is not None and impl.is_pallas:
-    from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
-    if chunk_size not in pallas_chunk_gla.CHUNKS:
-      raise ValueError(f"chunk_size={chunk_size}: impl={impl.value!r} supports chunk "
-                       f"sizes {pallas_chunk_gla.CHUNKS}")
-  return int(chunk_size)
+def run_core(core: ChunkCore, q, k, v, g, h0, seg_start, seg_chunks):
+  """core(...) on chunked inputs, g raised to chunked.LOG_DECAY_FLOOR first: the one
+  place a -inf reset (or -1e38) is made finite for every core."""
+  return core(q, k, v, chunked.floor_log_decay(g), h0, seg_start, seg_chunks)
 
 
 def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chunk_gla):
@@ -67,7 +49,8 @@ def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chu
 
   seg_start = jnp.arange(b, dtype=jnp.int32) * nc
   seg_chunks = jnp.full((b,), nc, jnp.int32)
-  o, final = core(chunk(q), chunk(k), chunk(v), chunk(g), h0, seg_start, seg_chunks)
+  o, final = run_core(core, chunk(q), chunk(k), chunk(v), chunk(g), h0, seg_start,
+                      seg_chunks)
   return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], final
 
 
@@ -93,8 +76,8 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
     x = packing.scatter_rows(x, layout.rows, nc * chunk_size)
     return x.reshape((1, nc, chunk_size) + x.shape[1:])
 
-  o, final = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
-                  layout.seg_start, layout.seg_chunks)
+  o, final = run_core(core, to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
+                      layout.seg_start, layout.seg_chunks)
   return packing.gather_rows(o.reshape((nc * chunk_size,) + o.shape[3:]), layout.rows), final
 
 
@@ -127,7 +110,8 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
       no information crosses a boundary. It must start at 0, never decrease and end
       at T: checked on concrete values; under `jit` (a traced cu_seqlens) that is the
       caller's contract, and other values give wrong results (`checked` checks it).
-    impl: "chunk" (default), "pallas_chunk", "auto" or "scan" (reference).
+    impl: "chunk" (default), "pallas_chunk", "auto" or "scan" (reference), or an
+      `impl.Plan` of algorithm SCAN or CHUNK (Pallas block sizes, interpret mode).
     chunk_size: C, a multiple of 16 (16, 32, 64 or 128 for "pallas_chunk").
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None). States are float32, or
@@ -138,8 +122,7 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
       ("q", q), ("k", k), ("v", v), ("g", g), ("cu_seqlens", cu_seqlens)))
   initial_state = checks.as_array("initial_state", initial_state)
   b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
-  impl = impl_lib.resolve_auto(parse_impl(impl, GLA_IMPLS, "gla"), "gla", (dk, dv))
-  chunk_size = check_chunk_size(chunk_size, impl)
+  plan, chunk_size = impl_lib.plan(impl, "gla", chunk_size=chunk_size, head_dims=(dk, dv))
   checks.check_scale(scale)
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
@@ -155,34 +138,35 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
   if 0 in (b, t, h, dk, dv):
     return jnp.zeros((b, t, h, dv), v.dtype), (h0 if output_final_state else None)
   scale = dk ** -0.5 if scale is None else scale
-  qkv_dtype = impl_lib.storage_dtype(impl, (q.dtype, k.dtype, v.dtype), dtype)
-  return _gla(q, k, v, g, scale, h0, cu_seqlens, impl=impl, chunk_size=chunk_size,
-              dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state,
-              trace_key=impl_lib.trace_key(impl))
+  qkv_dtype = impl_lib.storage_dtype(plan.core, (q.dtype, k.dtype, v.dtype), dtype)
+  return _gla(q, k, v, g, scale, h0, cu_seqlens, plan=plan, chunk_size=chunk_size,
+              dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state)
 
 
 # One compiled program per configuration: called eagerly (a notebook, a test), `gla`
 # runs as one executable instead of dispatching each of its many small ops. On CPU, at
 # B = 2, T = 64, the first eager call took 4.5 s that way against 0.3 s, later ones 100x
-# longer. Under an outer jit it is inlined.
-@functools.partial(jax.jit, static_argnames=("impl", "chunk_size", "dtype", "qkv_dtype",
-                                             "output_final_state", "trace_key"))
-def _gla(q, k, v, g, scale, h0, cu_seqlens, *, impl, chunk_size, dtype, qkv_dtype,
-         output_final_state, trace_key):
-  """gla's computation on checked inputs (see `gla`), h0 already in `dtype`;
-  trace_key (static, unused here) keys the trace to the Pallas kernels' trace-time
-  settings."""
-  del trace_key
+# longer. Under an outer jit it is inlined. The plan is static: its Pallas block sizes
+# and interpret flag key this cache like any other argument.
+@functools.partial(jax.jit, static_argnames=("plan", "chunk_size", "dtype", "qkv_dtype",
+                                             "output_final_state"))
+def _gla(q, k, v, g, scale, h0, cu_seqlens, *, plan, chunk_size, dtype, qkv_dtype,
+         output_final_state):
+  """gla's computation on checked inputs (see `gla`), h0 already in `dtype`."""
   b, h = q.shape[0], q.shape[2]
   out_dtype = v.dtype
   q = (q.astype(dtype) * scale).astype(qkv_dtype)
   k, v, g = k.astype(qkv_dtype), v.astype(qkv_dtype), g.astype(dtype)
 
   def run(q, k, v, g, h0):
-    if impl is Impl.SCAN:
-      return reference.gla_scan(q, k, v, g, h0, cu_seqlens)
-    return chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size,
-                       impl_lib.chunk_core(impl, qkv_dtype))
+    match plan.algorithm:
+      case Algorithm.SCAN:
+        return reference.gla_scan(q, k, v, g, h0, cu_seqlens)
+      case Algorithm.CHUNK:
+        return chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size,
+                           impl_lib.core_fn(plan.core, qkv_dtype))
+      case other:
+        raise ValueError(f"gla has no algorithm {other!r}")
 
   # With cu_seqlens (B == 1) only the heads can be sharded: shard_axes finds no batch
   # axis that divides 1, and each device runs its heads over the whole packed T.

@@ -1,32 +1,99 @@
-"""The `impl` switch: one enum names every implementation of the ops."""
+"""How an op is computed: an algorithm and, for the chunked ones, a chunk core.
+
+    Plan(Algorithm.VARLEN, PallasCore(BlockSizes(chunk=64), interpret=False))
+
+The typed form is what the ops dispatch on (`match ... case _: raise`); every field is
+a static parameter of their jitted bodies, so a change of block sizes or interpret
+mode retraces them. The public `impl=` strings ("chunk", "pallas_varlen", "auto", ...,
+the `Impl` enum) are a thin parser over it: `plan(impl, op, ...)`. docs/design.md,
+section 3, compares the algorithms and their cost.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import chunk_gla as kernels
+from sse_jax.ops import checks
+from sse_jax.ops import chunked
 
 
-class Impl(enum.Enum):
-  """Implementations of `gla` / `sse`; all compute the same function.
+class Algorithm(enum.Enum):
+  """How the recurrence is organised.
 
   SCAN     `lax.scan` over time on the whole state: the reference, O(T N Dk Dv).
-  CHUNK    chunkwise-parallel GLA in XLA (gla only; sse's building block).
+  CHUNK    chunkwise-parallel GLA (gla only; the building block of the others).
   LOOP     sse: one chunked GLA call per partition on masked inputs (Fig. 6 "loop").
   MASKING  sse: masked copies of q/k/g per partition folded into the head axis, one
            chunked call. Cost and memory ~ (N + 1) x dense: best at short T.
   VARLEN   sse: tokens gathered per (sequence, partition) into one packed, chunk-aligned
            buffer of ~ (K + 1) B T rows, one chunked call, scatter-add back. Cost ~ (K + 1)
            x dense, independent of N: best at long T.
-  PALLAS_* the same algorithms with the chunked GLA as Pallas GPU kernels
-           (`pallas_kernels.chunk_gla`); without a GPU they run in interpret mode (slow,
-           for testing). bf16 inputs stay bf16 in the matmuls (fp32 accumulation);
-           float16 runs in fp32 (see `storage_dtype`).
-  AUTO     PALLAS_CHUNK / PALLAS_VARLEN where the kernels run compiled (`pallas_gpu`: an
-           NVIDIA GPU of compute capability >= 8.0), CHUNK / VARLEN elsewhere.
+  """
+
+  SCAN = "scan"
+  CHUNK = "chunk"
+  LOOP = "loop"
+  MASKING = "masking"
+  VARLEN = "varlen"
+
+
+GLA_ALGORITHMS = (Algorithm.SCAN, Algorithm.CHUNK)
+SSE_ALGORITHMS = (Algorithm.SCAN, Algorithm.LOOP, Algorithm.MASKING, Algorithm.VARLEN)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCore:
+  """The chunk core in plain XLA (`chunked.chunk_gla`); computes in the compute dtype."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasCore:
+  """The Pallas GPU kernels (`pallas_kernels.chunk_gla`) as the chunk core.
+
+  block_sizes: their tiles, a `kernels.BlockSizes` whose `chunk` is the op's chunk size;
+    None: BlockSizes(chunk=chunk_size), filled in by `plan`.
+  interpret: run them in Pallas interpret mode (slow; for tests off the GPU); None:
+    when the default backend is not a GPU, filled in by `plan`.
+  bf16 inputs stay bf16 in the matmuls (fp32 accumulation); others run fp32
+  (`storage_dtype`).
+  """
+
+  block_sizes: kernels.BlockSizes | None = None
+  interpret: bool | None = None
+
+
+Core = XlaCore | PallasCore
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """An algorithm and its chunk core (None for SCAN, which has none)."""
+
+  algorithm: Algorithm
+  core: Core | None = None
+
+  @property
+  def name(self) -> str:
+    """The `impl` string of this plan's algorithm and core kind ("pallas_varlen")."""
+    prefix = "pallas_" if isinstance(self.core, PallasCore) else ""
+    return prefix + self.algorithm.value
+
+
+class Impl(enum.Enum):
+  """The `impl=` strings of `gla` / `sse`; all compute the same function.
+
+  Each names an `Algorithm` (the same word) with the XLA chunk core; PALLAS_* use the
+  Pallas core instead, compiled on a GPU and in interpret mode elsewhere (slow, for
+  testing). AUTO: PALLAS_CHUNK / PALLAS_VARLEN where the kernels run compiled
+  (`pallas_gpu`: an NVIDIA GPU of compute capability >= 8.0) and take the chunk size
+  and head dims, CHUNK / VARLEN elsewhere.
   """
 
   SCAN = "scan"
@@ -39,14 +106,11 @@ class Impl(enum.Enum):
   PALLAS_VARLEN = "pallas_varlen"
   AUTO = "auto"
 
-  @property
-  def is_pallas(self) -> bool:
-    return self.value.startswith("pallas")
-
 
 GLA_IMPLS = (Impl.SCAN, Impl.CHUNK, Impl.PALLAS_CHUNK, Impl.AUTO)
 SSE_IMPLS = (Impl.SCAN, Impl.LOOP, Impl.MASKING, Impl.VARLEN, Impl.PALLAS_MASKING,
              Impl.PALLAS_VARLEN, Impl.AUTO)
+_OPS = {"gla": (GLA_IMPLS, GLA_ALGORITHMS), "sse": (SSE_IMPLS, SSE_ALGORITHMS)}
 
 
 PALLAS_MIN_CAPABILITY = (8, 0)  # Ampere on: the kernels do bf16 matmuls (Triton needs sm_80)
@@ -65,32 +129,96 @@ def pallas_gpu(device=None) -> bool:
       (int(capability[1]), int(capability[2])) >= PALLAS_MIN_CAPABILITY)
 
 
-def resolve_auto(impl: Impl, op: str, head_dims: tuple[int, int] | None = None) -> Impl:
+def resolve_auto(impl: Impl, op: str, head_dims: tuple[int, int] | None = None,
+                 chunk_size: int | None = None) -> Impl:
   """AUTO -> the fastest implementation available on the default backend: Pallas where
-  the kernels run (`pallas_gpu`) and support the head dims (Dk, Dv), the XLA paths
-  otherwise."""
+  the kernels run (`pallas_gpu`) and take the head dims (Dk, Dv) and chunk size, the
+  XLA paths otherwise. Other impls are returned as they are."""
   if impl is not Impl.AUTO:
     return impl
-  gpu = pallas_gpu()
-  if gpu and head_dims is not None:
-    from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
-    gpu = all(d in pallas_chunk_gla.HEAD_DIMS for d in head_dims)
+  pallas = pallas_gpu()
+  if pallas and head_dims is not None:
+    pallas = kernels.shape_error(chunk_size, *head_dims) is None
   if op == "gla":
-    return Impl.PALLAS_CHUNK if gpu else Impl.CHUNK
-  return Impl.PALLAS_VARLEN if gpu else Impl.VARLEN
+    return Impl.PALLAS_CHUNK if pallas else Impl.CHUNK
+  return Impl.PALLAS_VARLEN if pallas else Impl.VARLEN
 
 
-def chunk_core(impl: Impl, storage_dtype):
-  """The chunk core behind an implementation (see `chunked.chunk_gla`)."""
-  # Imported here: pallas_kernels builds on sse_jax.ops (its reference lives there).
-  if impl.is_pallas:
-    from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
-    return functools.partial(pallas_chunk_gla.chunk_gla, storage_dtype=storage_dtype)
-  from sse_jax.ops import chunked  # pylint: disable=g-import-not-at-top
-  return chunked.chunk_gla
+# What each concrete `Impl` string names (AUTO names none until `resolve_auto`).
+_NAMED = {
+    Impl.SCAN: Plan(Algorithm.SCAN),
+    Impl.CHUNK: Plan(Algorithm.CHUNK, XlaCore()),
+    Impl.LOOP: Plan(Algorithm.LOOP, XlaCore()),
+    Impl.MASKING: Plan(Algorithm.MASKING, XlaCore()),
+    Impl.VARLEN: Plan(Algorithm.VARLEN, XlaCore()),
+    Impl.PALLAS_CHUNK: Plan(Algorithm.CHUNK, PallasCore()),
+    Impl.PALLAS_MASKING: Plan(Algorithm.MASKING, PallasCore()),
+    Impl.PALLAS_VARLEN: Plan(Algorithm.VARLEN, PallasCore()),
+}
 
 
-def storage_dtype(impl: Impl, input_dtypes, compute_dtype):
+def named(impl: Impl | str) -> Plan:
+  """The plan an `impl` string names, its Pallas fields left for `plan` to fill in."""
+  impl = checks.parse_enum(Impl, impl, "impl")
+  if impl not in _NAMED:
+    raise ValueError(f"impl={impl.value!r} names no single plan; resolve it first "
+                     "(resolve_auto)")
+  return _NAMED[impl]
+
+
+def plan(impl, op: str, *, chunk_size: int,
+         head_dims: tuple[int, int]) -> tuple[Plan, int]:
+  """`impl` (an `Impl` string, or a `Plan`) as a complete plan for `op` ("gla" or
+  "sse") at this chunk size and head dims (Dk, Dv): AUTO resolved, the Pallas fields
+  filled in, and everything checked here, with a one-line ValueError naming the value.
+  Returns the chunk size as an int too: (plan, chunk_size)."""
+  impls, algorithms = _OPS[op]
+  chunk_size = check_chunk_size(chunk_size)
+  if isinstance(impl, Plan):
+    resolved = impl
+  else:
+    parsed = checks.parse_enum(Impl, impl, "impl")
+    if parsed not in impls:
+      names = ", ".join(repr(i.value) for i in impls)
+      raise ValueError(f"impl={parsed.value!r} is not available for {op}; choose one of {names}")
+    resolved = named(resolve_auto(parsed, op, head_dims, chunk_size))
+  if resolved.algorithm not in algorithms:
+    names = ", ".join(a.value for a in algorithms)
+    got = getattr(resolved.algorithm, "value", resolved.algorithm)
+    raise ValueError(f"impl algorithm {got!r} is not available for {op}; choose one of "
+                     f"{names}")
+  match resolved.algorithm, resolved.core:
+    case Algorithm.SCAN, None:
+      return resolved, chunk_size
+    case Algorithm.SCAN, core:
+      raise ValueError(f"impl algorithm 'scan' takes no chunk core, got {core!r}")
+    case _, XlaCore():
+      return resolved, chunk_size
+    case _, PallasCore(block_sizes=block_sizes, interpret=interpret):
+      error = kernels.shape_error(chunk_size, *head_dims)
+      if error:
+        raise ValueError(f"{error} (impl={resolved.name!r})")
+      if block_sizes is not None and block_sizes.chunk != chunk_size:
+        raise ValueError(f"block_sizes.chunk={block_sizes.chunk} must equal "
+                         f"chunk_size={chunk_size}")
+      core = PallasCore(block_sizes or kernels.BlockSizes(chunk=chunk_size),
+                        kernels.default_interpret() if interpret is None else bool(interpret))
+      return dataclasses.replace(resolved, core=core), chunk_size
+    case algorithm, core:
+      raise ValueError(f"impl core {core!r} does not fit algorithm {algorithm.value!r}")
+
+
+def check_chunk_size(chunk_size) -> int:
+  """chunk_size as an int: a positive multiple of the XLA core's sub-chunk length (16),
+  which every core needs (the Pallas kernels take fewer: `kernels.shape_error`)."""
+  sub = chunked.SUBCHUNK
+  if (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer))
+      or chunk_size < sub or chunk_size % sub):
+    raise ValueError(f"chunk_size={chunk_size!r} must be a positive multiple of {sub}")
+  return int(chunk_size)
+
+
+def storage_dtype(core: Core | None, input_dtypes, compute_dtype) -> jnp.dtype:
   """dtype of q, k, v inside the chunked path.
 
   XLA paths compute in `compute_dtype` (fp32, or fp64 under x64). Pallas keeps bf16
@@ -99,18 +227,25 @@ def storage_dtype(impl: Impl, input_dtypes, compute_dtype):
   5-bit exponent overflows in the states (65504), and mixed inputs must not be
   rounded to the lowest precision among them.
   """
-  if not impl.is_pallas:
-    return jnp.dtype(compute_dtype)
-  if all(jnp.dtype(d) == jnp.bfloat16 for d in input_dtypes):
-    return jnp.dtype(jnp.bfloat16)
-  return jnp.dtype(jnp.float32)
+  match core:
+    case None | XlaCore():
+      return jnp.dtype(compute_dtype)
+    case PallasCore():
+      if all(jnp.dtype(d) == jnp.bfloat16 for d in input_dtypes):
+        return jnp.dtype(jnp.bfloat16)
+      return jnp.dtype(jnp.float32)
+    case _:
+      raise ValueError(f"unknown chunk core {core!r}")
 
 
-def trace_key(impl: Impl):
-  """What a trace of `impl` depends on beyond its arguments: the Pallas kernels'
-  trace-time settings (`pallas_kernels.chunk_gla.trace_settings`), None for the XLA
-  impls. The ops pass it as a static argument of their jitted bodies."""
-  if not impl.is_pallas:
-    return None
-  from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
-  return pallas_chunk_gla.trace_settings()
+def core_fn(core: Core, qkv_dtype):
+  """The chunk core function (contract: `chunked.chunk_gla`) with the core's static
+  parameters bound."""
+  match core:
+    case XlaCore():
+      return chunked.chunk_gla
+    case PallasCore(block_sizes=block_sizes, interpret=interpret):
+      return lambda *args: kernels.chunk_gla(*args, block_sizes=block_sizes,
+                                             interpret=interpret, storage_dtype=qkv_dtype)
+    case _:
+      raise ValueError(f"unknown chunk core {core!r}")

@@ -1,4 +1,4 @@
-"""Sparse State Expansion: `sse(q, k, v, g, weights, indices)` (SPEC section 1).
+"""Sparse State Expansion: `sse(q, k, v, g, weights, indices)` (docs/design.md, section 1).
 
 N routed partitions share q, k, v, g. At each token the router selects K partitions
 (`indices`, with probabilities `weights`, not renormalised); only those are decayed
@@ -28,7 +28,7 @@ from sse_jax.ops import reference
 from sse_jax.ops import sharding
 from sse_jax.ops.checks import Gate
 from sse_jax.ops import impl as impl_lib
-from sse_jax.ops.impl import SSE_IMPLS, Impl
+from sse_jax.ops.impl import Algorithm
 
 
 class Routing(NamedTuple):
@@ -47,7 +47,8 @@ class Routing(NamedTuple):
 
 
 def make_routing(weights, indices, read_weights, read_indices, gate: Gate) -> Routing:
-  """Applies the gate placement: an ungated side uses weight 1 (SPEC section 2)."""
+  """Applies the gate placement: an ungated side uses weight 1 (docs/design.md,
+  section 2)."""
   tied = read_indices is None
   if tied:
     read_weights, read_indices = weights, indices
@@ -89,18 +90,19 @@ def _scan(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens):
   return o + o0, final, final0
 
 
-def _loop(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c):
+def _loop(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
+  """One chunked call per partition (and one for the shared partition)."""
   qm, km, gm = masked_partitions(q, k, g, routing, n)
   outs, finals = [], []
   for i in range(n):
     o_i, f_i = gla_lib.chunked_gla(qm[:, :, i], km[:, :, i], v, gm[:, :, i],
-                                   h0[:, i], cu_seqlens, c)
+                                   h0[:, i], cu_seqlens, c, core)
     outs.append(o_i)
     finals.append(f_i)
   o, final, final0 = sum(outs), jnp.stack(finals, axis=1), None
   if shared is not None:
     o0, final0 = gla_lib.chunked_gla(shared[0], shared[1], v, shared[2], h0_shared,
-                                     cu_seqlens, c)
+                                     cu_seqlens, c, core)
     o = o + o0
   return o, final, final0
 
@@ -218,7 +220,9 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
       decreases, ends at T (checked on concrete values; under `jit`, the caller's
       contract: other values give wrong results; `checked` checks it).
     impl: "varlen" (default), "masking", "pallas_varlen", "pallas_masking", "auto",
-      "loop" or "scan" (reference); see `Impl`.
+      "loop" or "scan" (reference); see `impl.Impl`. Or an `impl.Plan` of algorithm
+      SCAN, LOOP, MASKING or VARLEN with its chunk core (Pallas block sizes, interpret
+      mode).
     shared: optional (q', k', g'), each [B, T, H, Dk]: an always-on GLA partition
       sharing v, with weight 1 (g' <= 0 as g).
     read_weights, read_indices: optional [B, T, Kr] read set (the official code's
@@ -236,10 +240,8 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
           ("indices", indices), ("cu_seqlens", cu_seqlens),
           ("read_weights", read_weights), ("read_indices", read_indices)))
   b, t, h, dk, dv = checks.check_qkvg(q, k, v, g)
-  impl = impl_lib.resolve_auto(gla_lib.parse_impl(impl, SSE_IMPLS, "sse"), "sse",
-                               (dk, dv))
+  plan, chunk_size = impl_lib.plan(impl, "sse", chunk_size=chunk_size, head_dims=(dk, dv))
   gate = checks.parse_enum(Gate, gate, "gate")
-  chunk_size = gla_lib.check_chunk_size(chunk_size, impl)
   checks.check_scale(scale)
   checks.check_routing(weights, indices, b, t, num_partitions)
   if (read_weights is None) != (read_indices is None):
@@ -297,13 +299,12 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
     return o, (h0 if shared is None else (h0, h0_shared))
   scale = dk ** -0.5 if scale is None else scale
   qkv_dtype = impl_lib.storage_dtype(
-      impl, [x.dtype for x in (q, k, v) + tuple(shared or ())[:2]], dtype)
+      plan.core, [x.dtype for x in (q, k, v) + tuple(shared or ())[:2]], dtype)
   read = () if read_indices is None else (read_weights, read_indices)
   return _sse(q, k, v, g, weights, indices, read, h0, shared or (),
               () if shared is None else h0_shared, scale, cu_seqlens,
-              num_partitions=num_partitions, gate=gate, impl=impl, chunk_size=chunk_size,
-              dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state,
-              trace_key=impl_lib.trace_key(impl))
+              num_partitions=num_partitions, gate=gate, plan=plan, chunk_size=chunk_size,
+              dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state)
 
 
 # One compiled program per configuration, as for `gla._gla`: eager calls run one
@@ -311,15 +312,13 @@ def sse(q, k, v, g, weights, indices, *, num_partitions, scale=None, gate="both"
 # (varlen with the shared partition, B = 2, T = 64, on CPU: the first call 8.7 s
 # against 1.2 s, later ones 0.27 against 0.06 s).
 @functools.partial(jax.jit, static_argnames=(
-    "num_partitions", "gate", "impl", "chunk_size", "dtype", "qkv_dtype",
-    "output_final_state", "trace_key"))
+    "num_partitions", "gate", "plan", "chunk_size", "dtype", "qkv_dtype",
+    "output_final_state"))
 def _sse(q, k, v, g, weights, indices, read, h0, shared, h0_shared, scale, cu_seqlens, *,
-         num_partitions, gate, impl, chunk_size, dtype, qkv_dtype, output_final_state,
-         trace_key):
+         num_partitions, gate, plan, chunk_size, dtype, qkv_dtype, output_final_state):
   """sse's computation on checked inputs (see `sse`), the initial states already in
   `dtype`; shared and h0_shared are () without the shared partition, read () when the
-  read set is the write set; trace_key as in `gla._gla`."""
-  del trace_key
+  read set is the write set."""
   b, h = q.shape[0], q.shape[2]
   with_shared = bool(shared)
   out_dtype = v.dtype
@@ -338,13 +337,18 @@ def _sse(q, k, v, g, weights, indices, read, h0, shared, h0_shared, scale, cu_se
     if not shared:  # () stands for "none" inside shard_map
       shared = h0_shared = None
     args = (q, k, v, g, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
-    if impl is Impl.SCAN:
-      o, final, final0 = _scan(*args)
-    elif impl is Impl.LOOP:
-      o, final, final0 = _loop(*args, chunk_size)
-    else:
-      fold = _masking if impl in (Impl.MASKING, Impl.PALLAS_MASKING) else _varlen
-      o, final, final0 = fold(*args, chunk_size, impl_lib.chunk_core(impl, qkv_dtype))
+    chunked = lambda path: path(*args, chunk_size, impl_lib.core_fn(plan.core, qkv_dtype))
+    match plan.algorithm:
+      case Algorithm.SCAN:
+        o, final, final0 = _scan(*args)
+      case Algorithm.LOOP:
+        o, final, final0 = chunked(_loop)
+      case Algorithm.MASKING:
+        o, final, final0 = chunked(_masking)
+      case Algorithm.VARLEN:
+        o, final, final0 = chunked(_varlen)
+      case other:
+        raise ValueError(f"sse has no algorithm {other!r}")
     return o, final, (() if final0 is None else final0)  # no None leaves in shard_map
 
   inputs = (q, k, v, g, weights, indices, read, h0, shared, h0_shared)
