@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from sse_jax.ops import checks
 from sse_jax.ops import sse as sse_lib
 from sse_jax.ops.checks import Gate
+from sse_jax.ops.reference import gla_step, write
 
 
 def _check_step(q, k, v, g):
@@ -28,17 +29,6 @@ def _check_step(q, k, v, g):
   return k.shape + (v.shape[-1],)
 
 
-def _write(k, v, g, state):
-  """state' = diag(exp g) state + k^T v, on any leading axes."""
-  return jnp.exp(g)[..., None] * state + k[..., None] * v[..., None, :]
-
-
-def _gla_update(q, k, v, g, state):
-  """One GLA step: (o = q state', state')."""
-  state = _write(k, v, g, state)
-  return jnp.einsum("...k,...kv->...v", q, state), state
-
-
 def gla_decode_step(q, k, v, g, state, *, scale=None):
   """One GLA step. q, k, g: [B, H, Dk]; v: [B, H, Dv]; state: [B, H, Dk, Dv].
 
@@ -50,8 +40,8 @@ def gla_decode_step(q, k, v, g, state, *, scale=None):
   checks.check_state("state", state, (b, h, dk, dv))
   scale = dk ** -0.5 if scale is None else scale
   dt = state.dtype
-  o, state = _gla_update(q.astype(dt) * scale, k.astype(dt), v.astype(dt),
-                         g.astype(dt), state)
+  state, o = gla_step(state, q.astype(dt) * scale, k.astype(dt), v.astype(dt),
+                      g.astype(dt))
   return o.astype(v.dtype), state
 
 
@@ -101,7 +91,7 @@ def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="bo
   rows = jnp.arange(b)[:, None]
   picked = routed[rows, r.write_idx]                              # [B, Kw, H, Dk, Dv]
   kw = k[:, None] * r.write_w[:, :, None, None]
-  picked = _write(kw, v[:, None], g[:, None], picked)
+  picked = write(picked, kw, v[:, None], g[:, None])
   routed = routed.at[rows, r.write_idx].set(picked)
   read = picked if r.tied else routed[rows, r.read_idx]           # [B, Kr, H, Dk, Dv]
   o = jnp.einsum("bhk,bjhkv,bj->bhv", q * scale, read, r.read_w)
@@ -109,5 +99,5 @@ def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="bo
     return o.astype(v.dtype), routed
   checks.check_state("state (shared)", state0, (b, h, dk, dv))
   q0, k0, g0 = (x.astype(dt) for x in shared)
-  o0, state0 = _gla_update(q0 * scale, k0, v, g0, state0)
+  state0, o0 = gla_step(state0, q0 * scale, k0, v, g0)
   return (o + o0).astype(v.dtype), (routed, state0)

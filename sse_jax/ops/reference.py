@@ -7,6 +7,7 @@ Notation (used throughout `sse_jax.ops`):
 These functions are deliberately literal: one time step per scan iteration over the
 whole state, so that every faster implementation can be checked against them. They
 take `q` already multiplied by `scale` and inputs already cast to the compute dtype.
+The step itself (`write`, `gla_step`) is the one the decoding steps take too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ def sequence_ids(cu_seqlens: jax.Array, length: int) -> tuple[jax.Array, jax.Arr
   t = jnp.arange(length)
   seq = jnp.searchsorted(cu_seqlens[1:], t, side="right")
   return seq, t == cu_seqlens[seq]
+
+
+def write(state: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> jax.Array:
+  """S' = diag(exp g) S + k^T v: state [..., Dk, Dv], k and g [..., Dk], v [..., Dv]
+  (any leading axes that broadcast)."""
+  return jnp.exp(g)[..., None] * state + k[..., None] * v[..., None, :]
+
+
+def gla_step(state, q, k, v, g) -> tuple[jax.Array, jax.Array]:
+  """One GLA step: (S' = write(S, k, v, g), o = q S'); o [..., Dv]."""
+  state = write(state, k, v, g)
+  return state, jnp.einsum("...k,...kv->...v", q, state)
 
 
 def recurrent_scan(step: Callable, xs, h0: jax.Array, cu_seqlens: jax.Array | None,
@@ -63,9 +76,7 @@ def gla_scan(q, k, v, g, h0, cu_seqlens=None):
   """
 
   def step(state, x):
-    qt, kt, vt, gt = x
-    state = jnp.exp(gt)[..., None] * state + kt[..., None] * vt[..., None, :]
-    return state, jnp.einsum("bhk,bhkv->bhv", qt, state)
+    return gla_step(state, *x)
 
   xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g))
   ys, final = recurrent_scan(step, xs, h0, cu_seqlens, q.shape[1])
@@ -73,7 +84,7 @@ def gla_scan(q, k, v, g, h0, cu_seqlens=None):
 
 
 def sse_scan(q, k, v, g, write_w, written, read_w, h0, cu_seqlens=None):
-  """SSE over N routed partitions, one time step at a time (SPEC section 1).
+  """SSE over N routed partitions, one time step at a time (docs/design.md, section 1).
 
     S_t^i = diag(exp g_t) S_{t-1}^i + w_t^i k_t^T v_t   if i is written at t
     S_t^i = S_{t-1}^i                                   otherwise (no decay)
@@ -85,9 +96,8 @@ def sse_scan(q, k, v, g, write_w, written, read_w, h0, cu_seqlens=None):
 
   def step(state, x):
     qt, kt, vt, gt, wt, st, rt = x
-    updated = (jnp.exp(gt)[:, None, :, :, None] * state
-               + wt[:, :, None, None, None]
-               * (kt[..., None] * vt[..., None, :])[:, None])
+    # Partitions on axis 1: k weighted per partition, v and g shared by all of them.
+    updated = write(state, kt[:, None] * wt[:, :, None, None], vt[:, None], gt[:, None])
     state = jnp.where(st[:, :, None, None, None], updated, state)
     return state, jnp.einsum("bhk,bnhkv,bn->bhv", qt, state, rt)
 
