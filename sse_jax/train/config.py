@@ -39,7 +39,7 @@ def default_config():
     vocab_size        None: taken from the data (MQAR: data.vocab_size; text: 256) [None]
     hidden, num_heads, mlp_dim                                            [64, 2, 128]
     sse, gla, attention   mixer field overrides (dicts) or None for the mixer defaults
-                      [sse: 4 partitions, top-1, chunk 16, short conv 4, LoRA rank 8]
+                      [sse: 4 partitions, top-1, chunk 16, conv 4, LoRA rank 8 (64 = the width)]
     tie_embeddings    logits use the input embedding [True]
     aux_loss_coef     weight of the SSE load-balance loss (in the model's aux_loss) [0.01]
     remat             a jax.checkpoint_policies name per block, or None [None]
