@@ -220,6 +220,13 @@ def test_decode_steps_continue_prefill(scale):
     assert_close(state, f_full, F64_TOL, "state")
 
 
+def raises_one_line(fn, match: str) -> None:
+  """fn() raises a one-line ValueError matching `match`."""
+  with pytest.raises(ValueError, match=match) as e:
+    fn()
+  assert "\n" not in str(e.value), str(e.value)
+
+
 def _gdn_args(**over):
   b, t, h, d = 1, 8, 2, 4
   args = dict(q=jnp.zeros((b, t, h, d)), k=jnp.zeros((b, t, h, d)),
@@ -253,9 +260,7 @@ def _gdn_args(**over):
 ])
 def test_bad_inputs_raise_one_line(bad, match):
   args, kwargs = _gdn_args(**bad)
-  with pytest.raises(ValueError, match=match) as e:
-    gdn(**args, **kwargs)
-  assert "\n" not in str(e.value)
+  raises_one_line(lambda: gdn(**args, **kwargs), match)
 
 
 def test_bad_decode_step_inputs_raise():
