@@ -3,13 +3,15 @@ r"""End-to-end training throughput and peak memory of equal-size models.
     python -m experiments.throughput                               # GPU: 125M, T = 2K/8K/32K
     python -m experiments.throughput --size=tiny --lengths=64 --tokens=512 --steps=2
 
-The paper reports only op timings (Fig. 6). This measures whole training steps
-(forward, backward, AdamW update, bf16 compute with fp32 parameters, donated state) of
-pure SSE, SSE-H, GLA and Transformer models of about the same size, at a fixed number
-of tokens per step (batch = tokens / T), each with its fastest implementation
-(`impl="auto"`: Pallas kernels on GPU; attention through cuDNN when available).
-Reports tokens/s (median step time after warm-up) and the device's peak memory.
-Writes <out>/throughput.json, .md and .png.
+The paper reports only op timings (Fig. 6). This times the trainer's own step
+(`sse_jax.train.build(config).train_step`: forward, backward, global-norm clipping,
+AdamW on the warm-up + cosine schedule, bf16 compute with fp32 parameters, donated
+state, sharded over every device on the "data" axis) for pure SSE, SSE-H, GLA and
+Transformer models of about the same size, at a fixed number of tokens per step
+(batch = tokens / T, rounded up to a multiple of the devices), each with its fastest
+implementation (`impl="auto"`: Pallas kernels on GPU; attention through cuDNN when
+available). The batches are random tokens. Reports tokens/s (median step time after
+warm-up) and the first device's peak memory. Writes <out>/throughput.json, .md and .png.
 
 Each point runs in a child process of its own (the device's peak-memory statistic
 never decreases within a process). With --workers=W, W of them build and compile the
@@ -22,21 +24,23 @@ as an error).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+import shlex
 import statistics
 import sys
 import time
 
 from absl import app
 from absl import flags
-from flax import nnx
 import jax
-import jax.numpy as jnp
-import optax
+import numpy as np
 
 from experiments import pool
-from sse_jax.model import LanguageModel, count_params, presets
+from sse_jax import train
+from sse_jax.model import ModelConfig, count_params, presets
+from sse_jax.model.config import MIXERS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("size", "125m", "Model size preset (sse_jax.model.presets.SIZES).")
@@ -51,56 +55,68 @@ flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes."
 flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
 
 
-def build(variant: str):
+def create_kwargs(model: ModelConfig) -> dict:
+  """`ModelConfig.create` keyword arguments that rebuild `model` (the trainer's
+  config.model takes these); checked by rebuilding it."""
+  mixers = {field: getattr(model, field) for field, _ in MIXERS.values()}
+  heads = next(m.num_heads for m in mixers.values() if m is not None)
+  fields = lambda m: {k: v for k, v in dataclasses.asdict(m).items()
+                      if k not in ("hidden", "num_heads")}
+  kwargs = dict(pattern=model.pattern, vocab_size=model.vocab_size, hidden=model.hidden,
+                num_heads=heads, mlp_dim=model.mlp.intermediate,
+                **{f: None if m is None else fields(m) for f, m in mixers.items()},
+                tie_embeddings=model.tie_embeddings, aux_loss_coef=model.aux_loss_coef,
+                remat=model.remat, norm_eps=model.norm_eps)
+  if ModelConfig.create(**kwargs) != model:
+    raise ValueError(f"the model of pattern {model.pattern!r} does not rebuild from its "
+                     "fields: create_kwargs misses one")
+  return kwargs
+
+
+def train_config(variant: str, batch: int):
+  """The trainer's default config (optimizer, schedule, clipping, dtypes) with the
+  preset model of `variant` and `batch` sequences per step."""
   impl = {"impl": FLAGS.impl}
-  config = presets.preset(FLAGS.size, variant, sse=dict(impl), gla=dict(impl))
-  model = LanguageModel(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
-                        param_dtype=jnp.float32)
-  return config, model
+  config = train.default_config()
+  config.model = create_kwargs(presets.preset(FLAGS.size, variant, sse=dict(impl),
+                                              gla=dict(impl)))
+  config.batch_size = batch
+  return config
 
 
 def measure(variant: str, length: int) -> dict:
-  config, model = build(variant)
-  batch = max(1, FLAGS.tokens // length)
-  opt = nnx.Optimizer(model, optax.adamw(3e-4, weight_decay=0.1), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, opt))
-
-  def step(state, tokens):
-    model, opt = nnx.merge(graphdef, state)
-
-    def loss_fn(model):
-      out = model(tokens[:, :-1])
-      logp = jax.nn.log_softmax(out.logits)
-      nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
-      return nll + out.aux_loss
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    return nnx.state((model, opt)), loss
-
-  step = jax.jit(step, donate_argnums=0)
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length + 1), 0,
-                              config.vocab_size)
-  t0 = time.perf_counter()
-  state, loss = step(state, tokens)
-  jax.block_until_ready(loss)
-  compile_s = time.perf_counter() - t0
-  times = []
-  with pool.exclusive(FLAGS.lock):  # warm-up too: the first runs autotune on the device
-    for _ in range(FLAGS.warmup):
-      state, loss = step(state, tokens)
-    jax.block_until_ready(loss)
-    for _ in range(FLAGS.steps):
-      t0 = time.perf_counter()
-      state, loss = step(state, tokens)
-      jax.block_until_ready(loss)
-      times.append(time.perf_counter() - t0)
+  devices = jax.device_count()
+  batch = -(-max(1, FLAGS.tokens // length) // devices) * devices
+  config = train_config(variant, batch)
+  program = train.build(config)
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(1, program.model_config.vocab_size, (batch, length + 1), np.int32)
+  local = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+               weights=np.ones((batch, length), np.float32))
+  with jax.set_mesh(program.mesh):
+    state = program.init()
+    data = program.global_batch(local)
+    t0 = time.perf_counter()
+    state, metrics = program.train_step(state, data)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    times = []
+    with pool.exclusive(FLAGS.lock):  # warm-up too: the first runs autotune on the device
+      for _ in range(FLAGS.warmup):
+        state, metrics = program.train_step(state, data)
+      jax.block_until_ready(metrics)
+      for _ in range(FLAGS.steps):
+        t0 = time.perf_counter()
+        state, metrics = program.train_step(state, data)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
   stats = jax.devices()[0].memory_stats() or {}
   sec = statistics.median(times)
-  return dict(variant=variant, length=length, batch=batch, step_s=sec,
+  return dict(variant=variant, length=length, batch=batch, devices=devices, step_s=sec,
               tokens_per_s=batch * length / sec, compile_s=compile_s,
               peak_gib=stats.get("peak_bytes_in_use", float("nan")) / 2**30,
-              params=count_params(config).total, loss=float(loss))
+              params=count_params(program.model_config).total,
+              loss=float(metrics["loss"]))
 
 
 def measure_in_children(points, out: pathlib.Path) -> list[dict]:
@@ -144,7 +160,7 @@ def main(argv):
   out.mkdir(parents=True, exist_ok=True)
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, size=FLAGS.size,
               tokens_per_step=FLAGS.tokens, impl=FLAGS.impl,
-              command="python -m experiments.throughput " + " ".join(sys.argv[1:]))
+              command=shlex.join(["python", "-m", "experiments.throughput", *sys.argv[1:]]))
   points = [(v, int(t)) for t in FLAGS.lengths for v in FLAGS.variants]
   # Several points run in child processes even one at a time: the device's peak-memory
   # statistic only grows within a process, so each point needs its own to report its
