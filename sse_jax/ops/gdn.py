@@ -1,4 +1,4 @@
-"""The gated delta rule (Gated DeltaNet): `gdn(q, k, v, g, beta)` (design.md, section 6).
+"""The gated delta rule (Gated DeltaNet): `gdn(q, k, v, g, beta)` (design.md, section 7).
 
 One head, row vectors, the state S in R^{Dk x Dv}; one log decay g_t <= 0 and one write
 strength beta_t per head and token:
@@ -19,7 +19,8 @@ u_t = beta_t (v_t - k_t S'_t) the value the delta rule actually writes at t. The
 
 so the rows u_t solve one unit lower-triangular system per chunk,
 
-    (I + A) u = diag(beta) V - diag(beta exp G) K S,   A_ts = beta_t exp(G_t - G_s) k_t . k_s  (s < t),
+    (I + A) u = diag(beta) V - diag(beta exp G) K S,
+    A_ts = beta_t exp(G_t - G_s) k_t . k_s  for s < t (A is strictly lower-triangular),
 
 and with U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta exp G) K (independent of S,
 batched over all chunks): u = U - W S. The chunk's output and next state are
@@ -239,7 +240,7 @@ def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int):
 
 def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, impl="chunk", chunk_size: int = DEFAULT_CHUNK):
-  """The gated delta rule (module docstring; design.md, section 6).
+  """The gated delta rule (module docstring; design.md, section 7).
 
   Args:
     q, k: [B, T, H, Dk]; v: [B, T, H, Dv]. Not normalised here (the layer L2-normalises

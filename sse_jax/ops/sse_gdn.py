@@ -1,4 +1,4 @@
-"""Sparse State Expansion on the gated delta rule: `sse_gdn` (design.md, section 6).
+"""Sparse State Expansion on the gated delta rule: `sse_gdn` (design.md, section 7).
 
 The routing of `sse` (weights / indices [B, T, K], states [B, N, H, Dk, Dv]), with every
 routed partition a gated delta-rule state (`gdn`). At each token a selected partition i
@@ -11,7 +11,7 @@ untouched (no decay, no delta update: its clock stops):
 
 with (w, r) = (e, e) for gate "both", (e, 1) "write", (1, e) "read", (1, 1) "none". The
 router weight is a write strength and an output weight, never a factor of q or k (it
-would not survive the layer's L2 normalisation of q and k; design.md, section 6). The
+would not survive the layer's L2 normalisation of q and k; design.md, section 7). The
 optional always-on shared partition S' is a plain gated delta-rule state with its own
 q', k', g', beta' (sharing v), `shared=(q', k', g', beta')`, fused into the same
 chunked call by the masking and varlen paths.
