@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sse_jax.ops.gdn import gdn
+from sse_jax.ops.gdn import gdn, gdn_decode_step
 from sse_jax.ops.sse_gdn import sse_gdn, sse_gdn_decode_step
 from tests.op_testing import assert_close, random_routing, x64
 from tests.test_ops_gdn import BF16_TOL, C, F64_TOL, numpy_gdn, random_gdn, raises_one_line
@@ -370,6 +370,14 @@ def test_bad_decode_step_inputs_raise():
   ]:
     with pytest.raises(ValueError, match=match):
       sse_gdn_decode_step(*args, **kwargs)
+
+
+def test_exported_from_ops():
+  from sse_jax import ops  # pylint: disable=g-import-not-at-top
+  assert (ops.gdn, ops.gdn_decode_step, ops.sse_gdn, ops.sse_gdn_decode_step) == (
+      gdn, gdn_decode_step, sse_gdn, sse_gdn_decode_step)
+  assert ops.GDN_IMPLS == ("scan", "chunk", "auto")
+  assert ops.SSE_GDN_IMPLS == ("scan", "masking", "varlen", "auto")
 
 
 def _sharded_check():

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from sse_jax.ops import checks
-from sse_jax.ops import gdn as gdn_lib
+# Names, not the module: the package binds `gdn` to the function.
+from sse_jax.ops.gdn import (DEFAULT_CHUNK, check_chunk_size, check_gates, check_inputs,
+                             chunked_gdn, delta_rule_step, gdn_scan, packed_chunk_gdn)
 from sse_jax.ops import reference
 from sse_jax.ops import sharding
 from sse_jax.ops.checks import Gate
@@ -58,7 +60,7 @@ def sse_gdn_scan(q, k, v, g, beta, write_w, written, read_w, h0, cu_seqlens=None
 
   def step(state, x):
     qt, kt, vt, gt, bt, wt, st, rt = x
-    updated = gdn_lib.delta_rule_step(state, kt[:, None], vt[:, None], gt[:, None],
+    updated = delta_rule_step(state, kt[:, None], vt[:, None], gt[:, None],
                                       bt[:, None] * wt[..., None])
     state = jnp.where(st[:, :, None, None, None], updated, state)
     return state, jnp.einsum("bhk,bnhkv,bn->bhv", qt, state, rt)
@@ -75,7 +77,7 @@ def _scan(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seqle
   if shared is None:
     return o, final, None
   q0, k0, g0, b0 = shared
-  o0, final0 = gdn_lib.gdn_scan(q0, k0, v, g0, b0, h0_shared, cu_seqlens)
+  o0, final0 = gdn_scan(q0, k0, v, g0, b0, h0_shared, cu_seqlens)
   return o + o0, final, final0
 
 
@@ -100,7 +102,7 @@ def _masking(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_se
     h0 = jnp.concatenate([h0, h0_shared[:, None]], axis=1)
   b, t, p, h = parts[3].shape
   fold = lambda x: x.reshape((b, t, p * h) + x.shape[4:])
-  o, final = gdn_lib.chunked_gdn(*map(fold, parts), h0.reshape((-1, p * h) + h0.shape[3:]),
+  o, final = chunked_gdn(*map(fold, parts), h0.reshape((-1, p * h) + h0.shape[3:]),
                                  cu_seqlens, chunk_size)
   o = o.reshape(b, t, p, h, -1).sum(axis=2)
   final = final.reshape((-1, p, h) + final.shape[2:])
@@ -158,7 +160,7 @@ def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seq
     slots = [jnp.concatenate([x, flat(s)]) for x, s in zip(slots, shared)]
     seg = jnp.concatenate([seg, nseq * n + seq])
     h0_table = jnp.concatenate([h0_table, h0_shared])
-  o_s, finals = gdn_lib.packed_chunk_gdn(slots, seg, h0_table, chunk_size,
+  o_s, finals = packed_chunk_gdn(slots, seg, h0_table, chunk_size,
                                          sorted_tail=0 if shared is None else b * t)
   routed = b * t * per_token
   o = o_s[:routed].reshape((b * t, per_token) + o_s.shape[1:]).sum(axis=1)
@@ -184,7 +186,7 @@ def _check_shared(shared, k):
     if tuple(x.shape) != tuple(want):
       raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(x.shape)}")
     checks.check_floating(name, x)
-  gdn_lib.check_gates(*shared[2:], prefix="shared ")
+  check_gates(*shared[2:], prefix="shared ")
   for name, x in zip(SHARED_NAMES[:2], shared[:2]):
     checks.check_finite(name, x)
   return shared
@@ -239,7 +241,7 @@ def _check_routing_sets(write, read, lead: tuple[int, ...], num_partitions: int)
 def sse_gdn(q, k, v, g, beta, weights, indices, *, num_partitions, scale=None,
             gate="both", initial_state=None, output_final_state=False, cu_seqlens=None,
             impl="varlen", shared=None, read_weights=None, read_indices=None,
-            chunk_size: int = gdn_lib.DEFAULT_CHUNK):
+            chunk_size: int = DEFAULT_CHUNK):
   """SSE over N routed gated delta-rule partitions (module docstring).
 
   Args:
@@ -274,14 +276,14 @@ def sse_gdn(q, k, v, g, beta, weights, indices, *, num_partitions, scale=None,
           ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("weights", weights),
           ("indices", indices), ("cu_seqlens", cu_seqlens),
           ("read_weights", read_weights), ("read_indices", read_indices)))
-  b, t, h, dk, dv = gdn_lib.check_inputs(q, k, v, g, beta)
+  b, t, h, dk, dv = check_inputs(q, k, v, g, beta)
   impl = parse_impl(impl)
   gate = checks.parse_enum(Gate, gate, "gate")
-  chunk_size = gdn_lib.check_chunk_size(chunk_size)
+  chunk_size = check_chunk_size(chunk_size)
   checks.check_scale(scale)
   _check_routing_sets((weights, indices), (read_weights, read_indices), (b, t),
                       num_partitions)
-  gdn_lib.check_gates(g, beta)
+  check_gates(g, beta)
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
   if shared is not None:
@@ -377,7 +379,7 @@ def sse_gdn_decode_step(q, k, v, g, beta, weights, indices, state, *, scale=None
           ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("weights", weights),
           ("indices", indices), ("read_weights", read_weights),
           ("read_indices", read_indices)))
-  b, h, dk, dv = gdn_lib.check_inputs(q, k, v, g, beta, step=True)
+  b, h, dk, dv = check_inputs(q, k, v, g, beta, step=True)
   gate = checks.parse_enum(Gate, gate, "gate")
   if shared is not None and not (isinstance(state, (tuple, list)) and len(state) == 2
                                  and state[1] is not None):
@@ -389,11 +391,11 @@ def sse_gdn_decode_step(q, k, v, g, beta, weights, indices, state, *, scale=None
   n = routed.shape[1]
   checks.check_state("state", routed, (b, n, h, dk, dv))
   _check_routing_sets((weights, indices), (read_weights, read_indices), (b,), n)
-  gdn_lib.check_gates(g, beta)
+  check_gates(g, beta)
   if shared is not None:
     shared = _as_shared(shared)
-    gdn_lib.check_inputs(*shared[:2], v, *shared[2:], step=True, prefix="shared ")
-    gdn_lib.check_gates(*shared[2:], prefix="shared ")
+    check_inputs(*shared[:2], v, *shared[2:], step=True, prefix="shared ")
+    check_gates(*shared[2:], prefix="shared ")
     state0 = checks.as_array("state (shared)", state0)
     checks.check_state("state (shared)", state0, (b, h, dk, dv))
   for name, x in (("q", q), ("k", k), ("v", v), ("weights", weights),
@@ -409,7 +411,7 @@ def sse_gdn_decode_step(q, k, v, g, beta, weights, indices, state, *, scale=None
 
   rows = jnp.arange(b)[:, None]
   picked = routed[rows, r.write_idx]                              # [B, Kw, H, Dk, Dv]
-  picked = gdn_lib.delta_rule_step(picked, k[:, None], v[:, None], g[:, None],
+  picked = delta_rule_step(picked, k[:, None], v[:, None], g[:, None],
                                    beta[:, None] * r.write_w[..., None])
   routed = routed.at[rows, r.write_idx].set(picked)
   read = picked if r.tied else routed[rows, r.read_idx]           # [B, Kr, H, Dk, Dv]
@@ -417,6 +419,6 @@ def sse_gdn_decode_step(q, k, v, g, beta, weights, indices, state, *, scale=None
   if shared is None:
     return o.astype(v.dtype), routed
   q0, k0, g0, b0 = (x.astype(dt) for x in shared)
-  state0 = gdn_lib.delta_rule_step(state0, k0, v, g0, b0)
+  state0 = delta_rule_step(state0, k0, v, g0, b0)
   o0 = jnp.einsum("bhk,bhkv->bhv", q0 * scale, state0)
   return (o + o0).astype(v.dtype), (routed, state0)
