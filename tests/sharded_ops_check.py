@@ -4,7 +4,7 @@ Checks, under a 4 x 2 ("data", "model") mesh, that gla / sse (XLA and Pallas imp
 give the unsharded scan reference's numbers, forward and gradients, that the ops' own
 shard_map is in the program, and that the compiled programs contain no all-gather
 (routing and packing stay on each device's shard); also for packed sequences
-(cu_seqlens, B = 1), whose heads are sharded over "model".
+(cu_seqlens, B = 1), whose heads are sharded over "model", and for per-partition q, k, v.
 Prints one line per check; exits non-zero on the first failure.
 """
 
@@ -69,6 +69,19 @@ def main():
   dense_ref = reference(functools.partial(loss, impl="scan"), (*x, w))
   for impl in ("varlen", "masking", "pallas_varlen", "pallas_masking"):
     check(impl, functools.partial(loss, impl=impl), args, dense_ref)
+
+  # Per-partition q, k, v [B, T, N, H, D]: their heads are axis 3.
+  def per_partition_loss(q, k, v, g, w, impl):
+    spread = lambda a: jax.numpy.stack([a * (1.0 - 0.2 * i) for i in range(n)], axis=2)
+    o, (f, f0) = ops.sse(spread(q), spread(k), spread(v), g, w, idx, num_partitions=n,
+                         impl=impl, shared=(q, k, g, v), output_final_state=True,
+                         chunk_size=32)
+    return (o * o).sum() + (f * f).sum() + (f0 * f0).sum()
+
+  per_partition_ref = reference(functools.partial(per_partition_loss, impl="scan"), (*x, w))
+  for impl in ("varlen", "masking"):
+    check(f"{impl} per-partition", functools.partial(per_partition_loss, impl=impl), args,
+          per_partition_ref)
 
   # Packed sequences (B = 1, cu_seqlens): the heads are sharded over "model".
   tp = 96

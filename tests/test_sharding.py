@@ -16,5 +16,5 @@ def test_ops_run_per_shard_without_all_gather():
   report = proc.stdout + proc.stderr[-3000:]
   assert proc.returncode == 0, report
   for impl in ("varlen", "masking", "pallas_varlen", "pallas_masking", "varlen packed",
-               "pallas_varlen packed"):
+               "pallas_varlen packed", "varlen per-partition", "masking per-partition"):
     assert f"{impl}: max rel err" in proc.stdout and "FAIL" not in proc.stdout, report

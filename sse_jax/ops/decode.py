@@ -52,20 +52,32 @@ def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="bo
   Args:
     q, k, g: [B, H, Dk]; v: [B, H, Dv]; weights: float [B, K]; indices: int [B, K].
       g <= 0 and weights >= 0 as in `sse` (checked on concrete values, and by
-      `checked` under jit).
+      `checked` under jit). Per-partition projections as in `sse`: q, k [B, N, H, Dk]
+      and v [B, N, H, Dv] (g shared), with `shared=(q', k', g', v')`.
     read_weights, read_indices: optional separate read set [B, Kr] (see `sse`).
-    state: [B, N, H, Dk, Dv]; with `shared=(q', k', g')` ([B, H, Dk] each) a tuple
+    state: [B, N, H, Dk, Dv]; with `shared=(q', k', g'[, v'])` ([B, H, D] each) a tuple
       (routed [B, N, H, Dk, Dv], shared [B, H, Dk, Dv]).
   Returns:
     (o [B, H, Dv] in v's dtype, new state shaped like `state`).
   """
-  b, h, dk, dv = _check_step(q, k, v, g)
+  per_partition = q.ndim == 4
+  first = lambda x: x[:, 0] if per_partition else x
+  b, h, dk, dv = _check_step(first(q), first(k), first(v), g)
   gate = checks.parse_enum(Gate, gate, "gate")
   routed, state0 = (state if shared is not None else (state, None))
   if routed.ndim != 5:
     raise ValueError(f"state must have shape [B, N, H, Dk, Dv], got {tuple(routed.shape)}")
   n = routed.shape[1]
   checks.check_state("state", routed, (b, n, h, dk, dv))
+  for name, x, d in (("q", q, dk), ("k", k, dk), ("v", v, dv)):
+    if per_partition and tuple(x.shape) != (b, n, h, d):
+      raise ValueError(f"per-partition {name} must have shape [B, N, H, D] = "
+                       f"{(b, n, h, d)}, got {tuple(x.shape)}")
+  if shared is not None and len(shared) == 3:
+    if per_partition:
+      raise ValueError("per-partition v needs the shared partition's own values: "
+                       "shared=(q', k', g', v')")
+    shared = (*shared, v)
   if indices.ndim != 2 or indices.shape[0] != b or weights.shape != indices.shape:
     raise ValueError(f"weights and indices must both be [B={b}, K], got"
                      f" {tuple(weights.shape)} and {tuple(indices.shape)}")
@@ -89,15 +101,20 @@ def sse_decode_step(q, k, v, g, weights, indices, state, *, scale=None, gate="bo
                            read_indices, gate)
 
   rows = jnp.arange(b)[:, None]
+  # A step's inputs for the selected partitions [B, K, H, D] (or [B, 1, H, D] shared).
+  pick = lambda x, idx: x[rows, idx] if per_partition else x[:, None]
   picked = routed[rows, r.write_idx]                              # [B, Kw, H, Dk, Dv]
-  kw = k[:, None] * r.write_w[:, :, None, None]
-  picked = write(picked, kw, v[:, None], g[:, None])
+  kw = pick(k, r.write_idx) * r.write_w[:, :, None, None]
+  picked = write(picked, kw, pick(v, r.write_idx), g[:, None])
   routed = routed.at[rows, r.write_idx].set(picked)
   read = picked if r.tied else routed[rows, r.read_idx]           # [B, Kr, H, Dk, Dv]
-  o = jnp.einsum("bhk,bjhkv,bj->bhv", q * scale, read, r.read_w)
+  if per_partition:
+    o = jnp.einsum("bjhk,bjhkv,bj->bhv", pick(q, r.read_idx) * scale, read, r.read_w)
+  else:
+    o = jnp.einsum("bhk,bjhkv,bj->bhv", q * scale, read, r.read_w)
   if shared is None:
     return o.astype(v.dtype), routed
   checks.check_state("state (shared)", state0, (b, h, dk, dv))
-  q0, k0, g0 = (x.astype(dt) for x in shared)
-  state0, o0 = gla_step(state0, q0 * scale, k0, v, g0)
+  q0, k0, g0, v0 = (x.astype(dt) for x in shared)
+  state0, o0 = gla_step(state0, q0 * scale, k0, v0, g0)
   return (o + o0).astype(v.dtype), (routed, state0)

@@ -90,16 +90,20 @@ def sse_scan(q, k, v, g, write_w, written, read_w, h0, cu_seqlens=None):
     S_t^i = S_{t-1}^i                                   otherwise (no decay)
     o_t   = sum_i r_t^i q_t S_t^i                       (r = 0 where i is not read)
 
-  Shapes: q, k, g [B, T, H, Dk]; v [B, T, H, Dv]; write weights w, the boolean
-  `written` and read weights r: [B, T, N]; h0 [B | S, N, H, Dk, Dv].
+  Shapes: q, k, g [B, T, H, Dk]; v [B, T, H, Dv] (q, k, v may instead be per partition,
+  [B, T, N, H, D]); write weights w, the boolean `written` and read weights r:
+  [B, T, N]; h0 [B | S, N, H, Dk, Dv].
   """
+  # Partitions on axis 1 of a step's inputs: shared ones gain it with size 1.
+  each = lambda x: x if x.ndim == 4 else x[:, None]
 
   def step(state, x):
     qt, kt, vt, gt, wt, st, rt = x
-    # Partitions on axis 1: k weighted per partition, v and g shared by all of them.
-    updated = write(state, kt[:, None] * wt[:, :, None, None], vt[:, None], gt[:, None])
+    updated = write(state, each(kt) * wt[:, :, None, None], each(vt), gt[:, None])
     state = jnp.where(st[:, :, None, None, None], updated, state)
-    return state, jnp.einsum("bhk,bnhkv,bn->bhv", qt, state, rt)
+    if qt.ndim == 3:
+      return state, jnp.einsum("bhk,bnhkv,bn->bhv", qt, state, rt)
+    return state, jnp.einsum("bnhk,bnhkv,bn->bhv", qt, state, rt)
 
   xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, write_w, written, read_w))
   ys, final = recurrent_scan(step, xs, h0, cu_seqlens, q.shape[1])
