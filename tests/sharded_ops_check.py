@@ -8,6 +8,7 @@ shard_map is in the program, and that the compiled programs contain no all-gathe
 Prints one line per check; exits non-zero on the first failure.
 """
 
+import dataclasses
 import functools
 import os
 import sys
@@ -19,7 +20,16 @@ import jax  # pylint: disable=g-import-not-at-top
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from sse_jax import ops  # pylint: disable=g-import-not-at-top
+from sse_jax.ops import impl as impl_lib  # pylint: disable=g-import-not-at-top
 from tests.op_testing import random_qkvg, random_routing, rel_err  # pylint: disable=g-import-not-at-top
+
+
+def dense(sse_impl: str) -> ops.Plan:
+  """The GLA impl with the chunk core of an SSE impl (the scan for the scan)."""
+  plan = impl_lib.named(sse_impl)
+  if plan.core is None:
+    return plan
+  return dataclasses.replace(plan, algorithm=ops.Algorithm.CHUNK)
 
 
 def main():
@@ -32,8 +42,7 @@ def main():
   def loss(q, k, v, g, w, impl):
     o, (f, f0) = ops.sse(q, k, v, g, w, idx, num_partitions=n, impl=impl,
                          shared=(q, k, g), output_final_state=True, chunk_size=32)
-    o2, _ = ops.gla(q, k, v, g, impl="pallas_chunk" if "pallas" in impl else "chunk",
-                    chunk_size=32)
+    o2, _ = ops.gla(q, k, v, g, impl=dense(impl), chunk_size=32)
     return (o * o).sum() + (f * f).sum() + (f0 * f0).sum() + (o2 * o).sum()
 
   act = NamedSharding(mesh, P("data", None, "model", None))
@@ -90,7 +99,7 @@ def main():
   wp, idxp = random_routing(jax.random.PRNGKey(3), 1, tp, n, 1)
 
   def packed_loss(q, k, v, g, w, impl):
-    gla_impl = "pallas_chunk" if "pallas" in impl else "chunk"
+    gla_impl = dense(impl)
     o, (f, f0) = ops.sse(q, k, v, g, w, idxp, num_partitions=n, impl=impl,
                          shared=(q, k, g), output_final_state=True, chunk_size=32,
                          cu_seqlens=cu)
