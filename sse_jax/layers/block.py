@@ -1,6 +1,6 @@
 """Pre-norm residual block: x + mixer(RMSNorm(x)), then + SwiGLU(RMSNorm(.)).
 
-    h = x + Mixer(RMSNorm_1(x))          mixer: Attention, GLA or SSE
+    h = x + Mixer(RMSNorm_1(x))          mixer: Attention, SWA, GLA, SSE or MoM
     y = h + SwiGLU(RMSNorm_2(h))          [B, T, D]
 
 `remat` (a `jax.checkpoint_policies` name, or None) rematerialises the block in the
@@ -20,12 +20,15 @@ from sse_jax.layers.attention import Attention, AttentionConfig
 from sse_jax.layers.gla import GLA, GLAConfig
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.mlp import MLPConfig, SwiGLU
+from sse_jax.layers.mom import MoM, MoMConfig
 from sse_jax.layers.norm import RMSNorm
 from sse_jax.layers import sequences
 from sse_jax.layers.sse import SSE, SSEConfig
+from sse_jax.layers.swa import SlidingWindowAttention, SWAConfig
 
-MixerConfig = Union[AttentionConfig, GLAConfig, SSEConfig]
-MIXERS = {AttentionConfig: Attention, GLAConfig: GLA, SSEConfig: SSE}
+MixerConfig = Union[AttentionConfig, GLAConfig, SSEConfig, SWAConfig, MoMConfig]
+MIXERS = {AttentionConfig: Attention, GLAConfig: GLA, SSEConfig: SSE,
+          SWAConfig: SlidingWindowAttention, MoMConfig: MoM}
 
 # Policies usable as `remat` (attribute names of jax.checkpoint_policies).
 REMAT_POLICIES = ("nothing_saveable", "everything_saveable", "dots_saveable",

@@ -1,7 +1,9 @@
 """ModelConfig: a stack of pre-norm blocks described by a mixer pattern string.
 
-Pattern letters (one per layer): "S" SSE, "G" GLA, "A" softmax attention. E.g.
-"S" * 24 pure SSE, "SSSSSA" * 3 the 18-layer SSE-H hybrid, "A" * 12 a Transformer.
+Pattern letters (one per layer): "S" SSE, "G" GLA, "A" softmax attention, "W"
+sliding-window attention, "M" MoM (Mixture-of-Memories). E.g. "S" * 24 pure SSE,
+"SSSSSA" * 3 the 18-layer SSE-H hybrid, "A" * 12 a Transformer, "SWSWA" the
+SSE-SWA-SSE-SWA-Softmax hybrid.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ from sse_jax.layers.attention import AttentionConfig
 from sse_jax.layers.block import MixerConfig, check_remat
 from sse_jax.layers.gla import GLAConfig
 from sse_jax.layers.mlp import MLPConfig
+from sse_jax.layers.mom import MoMConfig
 from sse_jax.layers.sse import SSEConfig
+from sse_jax.layers.swa import SWAConfig
 
 # letter -> (ModelConfig field, config type)
-MIXERS = {"S": ("sse", SSEConfig), "G": ("gla", GLAConfig), "A": ("attention", AttentionConfig)}
+MIXERS = {"S": ("sse", SSEConfig), "G": ("gla", GLAConfig), "A": ("attention", AttentionConfig),
+          "W": ("swa", SWAConfig), "M": ("mom", MoMConfig)}
+# the letters of routed mixers (a router and a load-balance loss)
+ROUTED = ("S", "M")
 
 
 def hybrid_pattern(num_layers: int, period: int = 6, linear: str = "S") -> str:
@@ -31,11 +38,12 @@ class ModelConfig:
 
   vocab_size: V. hidden: D. pattern: mixer letters, len(pattern) = number of layers.
   mlp: the SwiGLU sizes (every block has one).
-  sse / gla / attention: the mixer configs used by the "S" / "G" / "A" layers (required
-    for the letters present; every `hidden` must equal D).
+  sse / gla / attention / swa / mom: the mixer configs used by the "S" / "G" / "A" /
+    "W" / "M" layers (required for the letters present; every `hidden` must equal D).
   tie_embeddings: logits = h E^T with the input embedding E [V, D]; else a separate
     head [D, V].
-  aux_loss_coef: multiplies the sum over SSE layers of the load-balance losses.
+  aux_loss_coef: multiplies the sum over routed (SSE, MoM) layers of the load-balance
+    losses.
   remat: a `jax.checkpoint_policies` name for per-block rematerialisation, or None.
   norm_eps: epsilon of the block and final RMSNorms.
   """
@@ -47,6 +55,8 @@ class ModelConfig:
   sse: SSEConfig | None = None
   gla: GLAConfig | None = None
   attention: AttentionConfig | None = None
+  swa: SWAConfig | None = None
+  mom: MoMConfig | None = None
   tie_embeddings: bool = True
   aux_loss_coef: float = 0.01
   remat: str | None = None
@@ -58,6 +68,11 @@ class ModelConfig:
   @property
   def num_layers(self) -> int:
     return len(self.pattern)
+
+  @property
+  def routed_layers(self) -> tuple[int, ...]:
+    """Indices of the routed (SSE, MoM) layers: the order of the model's router outputs."""
+    return tuple(i for i, letter in enumerate(self.pattern) if letter in ROUTED)
 
   def mixer_config(self, letter: str) -> MixerConfig:
     return getattr(self, MIXERS[letter][0])
@@ -94,13 +109,16 @@ class ModelConfig:
   def create(cls, *, pattern: str, vocab_size: int, hidden: int, num_heads: int,
              mlp_dim: int, sse: Mapping[str, Any] | None = None,
              gla: Mapping[str, Any] | None = None,
-             attention: Mapping[str, Any] | None = None, **kwargs) -> "ModelConfig":
+             attention: Mapping[str, Any] | None = None,
+             swa: Mapping[str, Any] | None = None, mom: Mapping[str, Any] | None = None,
+             **kwargs) -> "ModelConfig":
     """Builds the mixer configs with `hidden` and `num_heads` filled in.
 
     A mixer config is made for every letter in `pattern` (and for any override
-    given); `sse` / `gla` / `attention` are field overrides, e.g. sse={"top_k": 2}.
+    given); `sse` / `gla` / `attention` / `swa` / `mom` are field overrides, e.g.
+    sse={"top_k": 2}.
     """
-    overrides = {"sse": sse, "gla": gla, "attention": attention}
+    overrides = {"sse": sse, "gla": gla, "attention": attention, "swa": swa, "mom": mom}
     mixers = {}
     for letter, (field, config_type) in MIXERS.items():
       if letter in pattern or overrides[field] is not None:

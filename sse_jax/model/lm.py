@@ -1,10 +1,10 @@
-"""LanguageModel: embedding -> pre-norm blocks (pattern of SSE / GLA / attention) ->
-RMSNorm -> logits in float32.
+"""LanguageModel: embedding -> pre-norm blocks (pattern of SSE / GLA / MoM / attention /
+sliding-window attention) -> RMSNorm -> logits in float32.
 
     x_0 = E[tokens]                              [B, T, D]
     x_l = Block_l(x_{l-1})                       l = 1..L
     logits = RMSNorm(x_L) E^T  (or W_head)       [B, T, V], float32
-    aux_loss = aux_loss_coef * sum_{SSE layers} N/k sum_i f_i p_i
+    aux_loss = aux_loss_coef * sum_{routed layers} N/k sum_i f_i p_i   (SSE, MoM)
 
 Training: `out = model(tokens)`; loss = cross_entropy(out.logits, targets) +
 out.aux_loss. Decoding: `cache = model.init_cache(B, max_len)`, then
@@ -31,13 +31,14 @@ from sse_jax.model.config import ModelConfig
 
 class ModelOutput(NamedTuple):
   """logits: float32 [B, T, V].
-  aux_loss: float32 scalar, aux_loss_coef * (sum of the SSE layers' load-balance
-    losses): add it to the LM loss as is.
-  router_usage: one float32 [N] per SSE layer (in layer order, see
-    `LanguageModel.routed_layers`): fraction of tokens whose write set holds partition i.
-  router_aux: the unscaled per-SSE-layer load-balance losses.
+  aux_loss: float32 scalar, aux_loss_coef * (sum of the routed (SSE, MoM) layers'
+    load-balance losses): add it to the LM loss as is.
+  router_usage: one float32 [N] per routed layer (in layer order, see
+    `LanguageModel.routed_layers`): fraction of tokens whose write set holds partition
+    (memory) i.
+  router_aux: the unscaled per-routed-layer load-balance losses.
   cache: the updated per-layer caches when a cache was passed, else None.
-  router_indices: per SSE layer, (write int32 [B, T, Kw], read int32 [B, T, Kr]): the
+  router_indices: per routed layer, (write int32 [B, T, Kw], read int32 [B, T, Kr]): the
     partitions each token writes and reads.
   """
 
@@ -72,12 +73,14 @@ class LanguageModel(nnx.Module):
 
   @property
   def routed_layers(self) -> tuple[int, ...]:
-    """Indices of the SSE layers, the order of `router_usage` / `router_aux`."""
-    return tuple(i for i, letter in enumerate(self.config.pattern) if letter == "S")
+    """Indices of the routed (SSE, MoM) layers, the order of `router_usage` /
+    `router_aux`."""
+    return self.config.routed_layers
 
   def init_cache(self, batch: int, max_len: int) -> tuple[Any, ...]:
-    """Per-layer caches: RecurrentCache (SSE / GLA states, conv states) or KVCache
-    (attention, `max_len` positions)."""
+    """Per-layer caches: RecurrentCache (SSE / GLA / MoM states, conv states), KVCache
+    (attention, `max_len` positions) or RingCache (sliding-window attention, `window`
+    positions)."""
     return tuple(block.init_cache(batch, max_len) for block in self.blocks)
 
   def __call__(self, tokens: jax.Array, *, cache: tuple[Any, ...] | None = None,

@@ -2,7 +2,12 @@
 benchmarks, and tiny models for tests.
 
 Variants (the `pattern`): "sse" (all SSE), "sse_h" (5 SSE + 1 attention, repeated),
-"gla" (all GLA), "gla_h" (5 GLA + 1 attention), "transformer" (all attention).
+"gla" (all GLA), "gla_h" (5 GLA + 1 attention), "transformer" (all attention): the
+equal-size family `VARIANTS`. Two more (`EXTRA_VARIANTS`, not size-matched):
+"sse_swa", SSE-SWA-SSE-SWA-Softmax repeated (the paper's 12B conversion pattern; "SWA"
+at 3 layers), sliding windows of 512 (8 at the tiny size); "mom", all MoM
+(Mixture-of-Memories, N = 4 memories, top-1, a shared memory; GLA transition) with a
+narrower MLP so that its *active* count matches the linear variants.
 
 How the sizes were chosen (paper Table 9: 600M = 24 layers, hidden 1024, 8 heads,
 300M non-embedding; 2B = 18 layers, hidden 2304, 18 heads, 1.3B non-embedding, 3
@@ -21,6 +26,14 @@ Non-embedding counts (vocab-independent; `count_params`, eval_shape only, N = 4)
   125M: sse 94.7M, sse_h 93.1M, gla 92.3M, gla_h 91.1M, transformer 92.0M
 With share_partition_params=False (Table 8: N + 1 = 5 sets of W_q, W_k, W_v) the 600M
 SSE has 598.7M non-embedding parameters (paper: 580M).
+sse_swa (SWA layers are attention-sized, at the SSE MLP width): 125M 89.0M, 600M 284.1M,
+2B 1258.3M.
+MoM (n4k1, `mom_mlp`): a layer has N + 1 = 5 sets of W_k, W_v and decay gates, of which
+a token uses 2 (its memory and the shared one): one more active W_k, W_v per layer than
+GLA, paid for with a narrower MLP, and three inactive sets. Non-embedding, total /
+active: 125M 136.1M / 92.7M, 600M 463.5M / 310.1M, 2B 1886.3M / 1308.9M. The paper's
+MoM-n4k1 at the 600M size is 800M total / 600M active: ~200M of inactive memories on a
+model of the dense size; here 153M (D x D key and value projections per memory).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from typing import Any, NamedTuple
 from sse_jax.model.config import ModelConfig, hybrid_pattern
 
 VARIANTS = ("sse", "sse_h", "gla", "gla_h", "transformer")
+EXTRA_VARIANTS = ("sse_swa", "mom")
 
 
 class Size(NamedTuple):
@@ -38,46 +52,65 @@ class Size(NamedTuple):
   heads: int
   mlp: int              # SwiGLU width of the linear-attention variants
   transformer_mlp: int  # SwiGLU width of the all-attention variant (equal size)
+  mom_mlp: int          # SwiGLU width of the MoM variant (equal active size)
 
 
 SIZES = {
-    "tiny": Size(3, 64, 4, 128, 160),
-    "125m": Size(12, 768, 6, 2048, 2304),
-    "600m": Size(24, 1024, 8, 2304, 2816),
-    "2b": Size(18, 2304, 18, 6656, 7424),
+    "tiny": Size(3, 64, 4, 128, 160, 128),
+    "125m": Size(12, 768, 6, 2048, 2304, 1536),
+    "600m": Size(24, 1024, 8, 2304, 2816, 1792),
+    "2b": Size(18, 2304, 18, 6656, 7424, 5120),
 }
+
+SWA_WINDOW = {"tiny": 8}  # other sizes: SWAConfig's default (512)
+
+
+def swa_hybrid_pattern(layers: int) -> str:
+  """SSE-SWA-SSE-SWA-Softmax ("SWSWA") repeated; "SWA" below 5 layers."""
+  period = "SWSWA" if layers >= 5 else "SWA"
+  return (period * layers)[:layers]
 
 
 def pattern_for(variant: str, layers: int) -> str:
   period = min(6, layers)  # tiny (3 layers): "SSA"
   patterns = {"sse": "S" * layers, "sse_h": hybrid_pattern(layers, period),
               "gla": "G" * layers, "gla_h": hybrid_pattern(layers, period, linear="G"),
-              "transformer": "A" * layers}
+              "transformer": "A" * layers, "sse_swa": swa_hybrid_pattern(layers),
+              "mom": "M" * layers}
   if variant not in patterns:
-    raise ValueError(f"variant={variant!r} is not one of {', '.join(VARIANTS)}")
+    raise ValueError(f"variant={variant!r} is not one of "
+                     f"{', '.join(VARIANTS + EXTRA_VARIANTS)}")
   return patterns[variant]
 
 
 def preset(size: str, variant: str = "sse", *, vocab_size: int = 32000,
            sse: dict[str, Any] | None = None, gla: dict[str, Any] | None = None,
-           attention: dict[str, Any] | None = None, **kwargs) -> ModelConfig:
-  """ModelConfig for `size` in SIZES and `variant` in VARIANTS.
+           attention: dict[str, Any] | None = None, swa: dict[str, Any] | None = None,
+           mom: dict[str, Any] | None = None, **kwargs) -> ModelConfig:
+  """ModelConfig for `size` in SIZES and `variant` in VARIANTS or EXTRA_VARIANTS.
 
-  `sse` / `gla` / `attention` override mixer fields (e.g. sse={"num_partitions": 8,
-  "top_k": 2}); other keywords go to ModelConfig (tie_embeddings, remat, ...).
+  `sse` / `gla` / `attention` / `swa` / `mom` override mixer fields (e.g.
+  sse={"num_partitions": 8, "top_k": 2}); other keywords go to ModelConfig
+  (tie_embeddings, remat, ...).
   """
   if size not in SIZES:
     raise ValueError(f"size={size!r} is not one of {', '.join(SIZES)}")
   s = SIZES[size]
   pattern = pattern_for(variant, s.layers)
+  if "W" in pattern and size in SWA_WINDOW:
+    swa = {"window": SWA_WINDOW[size], **(swa or {})}
   if size == "tiny":  # short chunks and the learning aids tests want to exercise
     sse = {"chunk_size": 16, "short_conv": 4, "lora_rank": 8, **(sse or {})}
     gla = {"chunk_size": 16, "short_conv": 4, **(gla or {})}
     attention = {"num_kv_heads": 2, **(attention or {})}
+    if "W" in pattern or swa is not None:
+      swa = {"num_kv_heads": 2, **(swa or {})}
+    if "M" in pattern or mom is not None:
+      mom = {"chunk_size": 16, "short_conv": 4, **(mom or {})}
+  mlp = {"transformer": s.transformer_mlp, "mom": s.mom_mlp}.get(variant, s.mlp)
   return ModelConfig.create(
       pattern=pattern, vocab_size=vocab_size, hidden=s.hidden, num_heads=s.heads,
-      mlp_dim=s.transformer_mlp if variant == "transformer" else s.mlp,
-      sse=sse, gla=gla, attention=attention, **kwargs)
+      mlp_dim=mlp, sse=sse, gla=gla, attention=attention, swa=swa, mom=mom, **kwargs)
 
 
 def tiny(variant: str = "sse_h", *, vocab_size: int = 256, **kwargs) -> ModelConfig:
