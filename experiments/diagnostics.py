@@ -251,7 +251,7 @@ def plot_similarity(runs, path: pathlib.Path, layer: int | None) -> None:
   plt = _pyplot()
   types = [t for t in TYPE_NAMES if any(heatmap_layer(r, t, layer) for r in runs)]
   cols = max(len(types), 1)
-  fig, axes = plt.subplots(len(runs), cols, figsize=(3.2 * cols + 1, 3.0 * len(runs) + 0.4),
+  fig, axes = plt.subplots(len(runs), cols, figsize=(3.2 * cols + 1, 3.4 * len(runs) + 0.8),
                            squeeze=False, layout="constrained")
   image = None
   for row, run in zip(axes, runs):
