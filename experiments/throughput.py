@@ -43,16 +43,21 @@ from sse_jax.model import ModelConfig, count_params, presets
 from sse_jax.model.config import MIXERS
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("size", "125m", "Model size preset (sse_jax.model.presets.SIZES).")
-flags.DEFINE_list("variants", ["sse", "sse_h", "gla", "transformer"], "Model variants.")
-flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths T.")
-flags.DEFINE_integer("tokens", 65536, "Tokens per training step (batch = tokens // T).")
-flags.DEFINE_integer("steps", 10, "Timed steps (median reported).")
-flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
-flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA layers.")
-flags.DEFINE_string("out", "results/throughput", "Output directory.")
-flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes.")
-flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
+
+
+def define_flags() -> None:
+  """This tool's flags, defined only when it runs: as module-level flags they would clash
+  with other experiments' (--out, --workers) in a process that imports several."""
+  flags.DEFINE_string("size", "125m", "Model size preset (sse_jax.model.presets.SIZES).")
+  flags.DEFINE_list("variants", ["sse", "sse_h", "gla", "transformer"], "Model variants.")
+  flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths T.")
+  flags.DEFINE_integer("tokens", 65536, "Tokens per training step (batch = tokens // T).")
+  flags.DEFINE_integer("steps", 10, "Timed steps (median reported).")
+  flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
+  flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA layers.")
+  flags.DEFINE_string("out", "results/throughput", "Output directory.")
+  flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes.")
+  flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
 
 
 def create_kwargs(model: ModelConfig) -> dict:
@@ -211,4 +216,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -19,3 +19,10 @@ def test_the_train_config_holds_the_preset_model(size, variant):
   config.model = throughput.create_kwargs(model)
   config_lib.validate(config)
   assert config_lib.model_config(config) == model
+
+
+def test_importing_it_defines_no_flags():
+  """Its flags (--out, --workers, ...) are defined only when it runs: importing it beside
+  the other experiments must not clash with theirs."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  assert "tokens" not in flags.FLAGS and "lock" not in flags.FLAGS
