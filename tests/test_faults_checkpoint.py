@@ -183,14 +183,14 @@ def strip_to_format_1(workdir):
     meta_file.write_text(json.dumps(meta))
 
 
-def test_old_checkpoint_without_manifest_resumes_with_a_warning(trained, tmp_path, capfd):
+def test_old_checkpoint_without_manifest_resumes_with_a_warning(trained, tmp_path, caplog):
   workdir = copy(trained, tmp_path)
   strip_to_format_1(workdir)
   summary = train.train_and_evaluate(tiny_config(), str(workdir))
   assert summary["resumed_from"] == 3 and summary["finished"] and summary["step"] == STEPS
-  err = capfd.readouterr().err
-  assert (f"[checkpoint] warning: {step_dir(workdir)} was written before checkpoints "
-          "recorded checksums; restoring it unverified") in err
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert (f"checkpoint {step_dir(workdir)} was written before checkpoints recorded "
+          "checksums; restoring it unverified") in warnings, warnings
   # The step it wrote has a manifest, and verifies.
   assert ckpt.check_files(str(step_dir(workdir, STEPS))) is None
 

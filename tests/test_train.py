@@ -3,13 +3,14 @@ TensorBoard writer, the config, the optimizer, the metrics and the logs."""
 
 from __future__ import annotations
 
-import io
 import json
+import logging as std_logging
 import math
 import os
 import re
 import struct
 
+from absl import logging as absl_logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,14 +292,24 @@ def test_metrics_log_resume_drops_later_records(tmp_path):
   assert sorted(e["step"] for e in starts) == [1, 3]  # fresh start, resumed after 2
 
 
-def test_progress_line():
-  out = io.StringIO()
-  logs.Progress(1000, active=True, stream=out).update(250, 2.34567, 5.0, 12_345.6)
-  assert out.getvalue() == ("[train] step 250/1000 (25%) | 5.00 steps/s | 12,346 tok/s | "
-                            "loss 2.3457 | ETA 2m30s\n")
-  quiet = io.StringIO()
-  logs.Progress(10, active=False, stream=quiet).update(1, 1.0, 1.0, 1.0)
-  assert quiet.getvalue() == ""
+def test_progress_line(caplog):
+  progress = logs.Progress(1000, active=True)
+  assert progress.line(250, 2.34567, 5.0, 12_345.6) == (
+      "[train] step 250/1000 (25%) | 5.00 steps/s | 12,346 tok/s | loss 2.3457 | ETA 2m30s")
+  # A window of the first (compiling) step alone has no rate.
+  assert progress.line(1, 2.5, None, None, 6.25) == (
+      "[train] step 1/1000 (0%) | first step in 6.2s (compiling) | loss 2.5000")
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.WARNING)  # as the ablation runner sets it
+  try:
+    with caplog.at_level(std_logging.INFO, logger="absl"):
+      progress.update(250, 2.34567, 5.0, 12_345.6)
+      logs.Progress(10, active=False).update(1, 1.0, 1.0, 1.0)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+  # Written through absl's logger whatever its verbosity; config.progress switches it.
+  assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+      ("absl", std_logging.INFO, progress.line(250, 2.34567, 5.0, 12_345.6))]
 
 
 def test_load_state_without_checkpoints(tmp_path):

@@ -74,6 +74,7 @@ import traceback
 import warnings
 from typing import Any
 
+from absl import logging as absl_logging
 import jax
 
 from sse_jax.train import config as config_lib
@@ -549,8 +550,8 @@ class Checkpoints:
       if written != 1:
         self._fail_integrity(step, f"it has no checksum manifest {MANIFEST}, which every "
                              f"save of format {written} writes with the step (deleted?)")
-      print(f"[checkpoint] warning: {step_dir} was written before checkpoints recorded "
-            "checksums; restoring it unverified", file=sys.stderr, flush=True)
+      absl_logging.warning("checkpoint %s was written before checkpoints recorded "
+                           "checksums; restoring it unverified", step_dir)
     elif problem is not None:
       self._fail_integrity(step, problem)
     self._checked.add(step)
@@ -640,8 +641,8 @@ class Checkpoints:
       # (after a failure, these are its echoes: the failure's line has said it).
       where = self._log(f"closing {self.directory}", error)
       if where and not _NOISE.failure:
-        print(f"[checkpoint] orbax reported errors while checkpointing in "
-              f"{self.directory}: see {where}", file=sys.stderr, flush=True)
+        absl_logging.warning("orbax reported errors while checkpointing in %s: see %s",
+                             self.directory, where)
       _NOISE.close()
 
 

@@ -80,13 +80,14 @@ def default_config():
   eval_every        evaluate every n steps (0: only at the end); always at the end [200]
   eval_batches      batches of `batch_size` per evaluation (fewer if the split ends) [8]
   log_every         average the training metrics over n steps, write them to
-                    metrics.jsonl / TensorBoard, print a progress line [50]
+                    metrics.jsonl / TensorBoard, log a progress line [50]
   checkpoint_every  save every n steps (0: only at the end); always at the end [200]
   keep_checkpoints  how many of the latest checkpoints to keep [2]
   mesh              devices per mesh axis:
     data              on the "data" axis; -1: all devices / mesh.model [-1]
     model             on the "model" axis (tensor parallel heads / MLP / vocab) [1]
-  progress          print progress lines to stderr (process 0 only) [True]
+  progress          log progress lines (process 0 only; absl.logging INFO records,
+                    written whatever the verbosity: `logs.Progress`) [True]
   tags              free-form notes (recorded in config.json, ignored by training) [{}]
   """
   import ml_collections  # pylint: disable=g-import-not-at-top

@@ -1,9 +1,11 @@
-"""Where metrics go: workdir/metrics.jsonl, TensorBoard files in workdir/tb, and a progress
-line on stderr. Only process 0 writes (metrics are global, every process has them).
+"""Where metrics go: workdir/metrics.jsonl, TensorBoard files in workdir/tb, and progress
+lines through absl.logging (`Progress`). Only process 0 writes (metrics are global, every
+process has them).
 
 metrics.jsonl holds one JSON object per event, in step order:
     {"kind": "train", "step": s, <train metrics averaged over the last log_every steps>,
-     "steps_per_s", "tokens_per_s", "time"}
+     "steps_per_s", "tokens_per_s", "time"}   (no rates in a window of only the
+                                              invocation's first, compiling step)
     {"kind": "eval", "step": s, "train_loss": <mean training loss since the previous
      eval>, <eval metrics>, "router": [{"layer", "usage", "entropy", "max"}, ...],
      "time"}
@@ -15,10 +17,12 @@ the file reads like one uninterrupted run.
 from __future__ import annotations
 
 import json
+import logging as std_logging
 import math
 import os
-import sys
-from typing import Any, TextIO
+from typing import Any
+
+from absl import logging
 
 from sse_jax.train import metrics as metrics_lib
 from sse_jax.train.tensorboard import EventWriter
@@ -109,20 +113,45 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-  """`[train] step 120/1000 (12%) | 3.42 steps/s | 14,008 tok/s | loss 2.3456 | ETA 4m17s`"""
+  """Progress lines, `[train] step 120/1000 (12%) | 3.42 steps/s | 14,008 tok/s | loss
+  2.3456 | ETA 4m17s`, as INFO records of absl's logger.
 
-  def __init__(self, num_steps: int, active: bool, stream: TextIO | None = None):
+  config.progress switches them, not the verbosity: they are written whatever absl's
+  verbosity (the ablation runner and the trainer's command line set WARNING to hide
+  orbax's per-save INFO lines), by the handlers absl's logger reaches (absl's own under
+  absl.app; a caller's, e.g. pytest's), else by absl's handler (a notebook, a plain
+  script). The first window of an invocation has the compiling step left out of its
+  rate; a window of that step alone has no rate and says how long the step took.
+  """
+
+  def __init__(self, num_steps: int, active: bool):
     self.num_steps = num_steps
     self.active = active
-    self.stream = stream
 
-  def update(self, step: int, loss: float, steps_per_s: float, tokens_per_s: float,
-             extra: str = "") -> None:
-    if not self.active:
-      return
+  def line(self, step: int, loss: float, steps_per_s: float | None,
+           tokens_per_s: float | None, first_step_s: float | None = None) -> str:
+    done = f"[train] step {step}/{self.num_steps} ({100 * step / self.num_steps:.0f}%)"
+    if steps_per_s is None:
+      took = "" if first_step_s is None else f" in {first_step_s:.1f}s"
+      return f"{done} | first step{took} (compiling) | loss {loss:.4f}"
     eta = (self.num_steps - step) / steps_per_s if steps_per_s > 0 else math.inf
-    line = (f"[train] step {step}/{self.num_steps} ({100 * step / self.num_steps:.0f}%) | "
-            f"{steps_per_s:.2f} steps/s | {tokens_per_s:,.0f} tok/s | loss {loss:.4f} | "
-            f"ETA {_duration(eta)}{extra}")
-    stream = self.stream or sys.stderr
-    print(line, file=stream, flush=True)
+    return (f"{done} | {steps_per_s:.2f} steps/s | {tokens_per_s:,.0f} tok/s | "
+            f"loss {loss:.4f} | ETA {_duration(eta)}")
+
+  def update(self, step: int, loss: float, steps_per_s: float | None,
+             tokens_per_s: float | None, first_step_s: float | None = None) -> None:
+    if self.active:
+      info(self.line(step, loss, steps_per_s, tokens_per_s, first_step_s))
+
+
+def info(message: str) -> None:
+  """`message` as an INFO record of absl's logger, written whatever the verbosity (see
+  `Progress`)."""
+  logger = logging.get_absl_logger()
+  filename, lineno, function, _ = logger.findCaller()
+  record = logger.makeRecord(logger.name, std_logging.INFO, filename, lineno, message, (),
+                             None, function)
+  if logger.hasHandlers():
+    logger.handle(record)  # the level check is left out: handle() filters, then emits
+  else:
+    logging.get_absl_handler().handle(record)

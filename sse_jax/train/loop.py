@@ -172,7 +172,12 @@ class Run:
 
   # --- boundaries ----------------------------------------------------------------------
 
-  def log_train(self, step: int, window_seconds: float):
+  def log_train(self, step: int, timed_steps: int, timed_seconds: float,
+                first_step_s: float | None = None):
+    """Writes the window's record and progress line. The rates are timed_steps /
+    timed_seconds: the window's steps and seconds with this invocation's first step (it
+    compiles) and eval / checkpoint time left out; a window of that step alone has no
+    rates (first_step_s: how long it took)."""
     count = self.host["log_count"]
     if not count:
       return
@@ -180,11 +185,14 @@ class Run:
     record.update({k: v / count for k, v in sorted(self.host["log_sums"].items())})
     if self.train_bytes:
       record["bpb"] = record["ce"] / math.log(2.0)
-    rate = count / window_seconds if window_seconds > 0 else 0.0
-    record.update(steps_per_s=rate, tokens_per_s=rate * self.tokens_per_step,
-                  time=time.time() - self.started)
+    rate = None
+    if timed_steps > 0:
+      rate = timed_steps / timed_seconds if timed_seconds > 0 else 0.0
+      record.update(steps_per_s=rate, tokens_per_s=rate * self.tokens_per_step)
+    record["time"] = time.time() - self.started
     self.log.write(record)
-    self.progress.update(step, record["loss"], rate, rate * self.tokens_per_step)
+    self.progress.update(step, record["loss"], rate,
+                         None if rate is None else rate * self.tokens_per_step, first_step_s)
     self.host["log_sums"], self.host["log_count"] = {}, 0
 
   def _sums(self, params, dataset, batches: int) -> list[dict[str, Any]]:
@@ -259,7 +267,9 @@ def train_lockstep(runs: list[Run], advance: Callable[[], Any],
   first = runs[0].step + 1
   step = runs[0].step
   pending = None
-  window_start = timer = time.time()
+  started = window_start = timer = time.time()
+  first_step_s = None  # the first step compiles: the timing starts at its end
+  window_steps = 0  # steps of the window after the first step
   paused = pauses = 0.0  # eval and checkpoint seconds, kept out of the throughput
 
   def settle(at, metrics):
@@ -269,6 +279,7 @@ def train_lockstep(runs: list[Run], advance: Callable[[], Any],
   while step < last:
     device_metrics = advance()
     step += 1
+    window_steps += step > first
     for run in runs:
       run.step = step
       run.checkpoints.poll()  # a failed background save stops the run now
@@ -282,11 +293,13 @@ def train_lockstep(runs: list[Run], advance: Callable[[], Any],
     settle(*pending)
     pending = None
     if step == first:  # the first step compiles: time from its end
-      timer = time.time()
+      window_start = timer = time.time()
+      first_step_s = timer - started
     if log:
       for run in runs:
-        run.log_train(step, time.time() - window_start - paused)
-      window_start, paused = time.time(), 0.0
+        run.log_train(step, window_steps, time.time() - window_start - paused,
+                      first_step_s if step == first else None)
+      window_start, window_steps, paused = time.time(), 0, 0.0
     t0 = time.time()
     if ev or save:
       sync()
@@ -350,7 +363,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None
     step, finished, train (last train record), eval (last eval record),
     history [{step, train_loss, eval_loss, eval_accuracy, ..., router}],
     wall_time_s (this invocation), steps_per_s / tokens_per_s (this invocation's steps
-    after its first, which includes compilation; eval and checkpoint time left out),
+    after its first, which compiles; eval and checkpoint time left out),
     params (total count), params_non_embedding, resumed_from, processes, devices, mesh,
     workdir.
 

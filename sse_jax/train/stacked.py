@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -87,9 +88,9 @@ def discard_later(runs: Sequence[Run], step: int | None):
   for run in runs:
     later = run.checkpoints.discard_after(step)
     if later:
-      print(f"[stacked] {run.workdir}: the group resumes from step {step}, the newest "
-            f"checkpoint every run has; deleted this run's later checkpoints {later}",
-            flush=True)
+      logging.warning("%s: the group resumes from step %d, the newest checkpoint every "
+                      "run has; deleted this run's later checkpoints %s", run.workdir, step,
+                      later)
 
 
 def _unit_lr(config) -> ml_collections.ConfigDict:
