@@ -59,6 +59,7 @@ from experiments import plots
 from experiments import report
 from experiments import sweep
 from experiments import verdict
+from sse_jax.cli import config_files, field_paths, usage_exit
 from sse_jax.train import config as config_lib
 
 FLAGS = flags.FLAGS
@@ -89,25 +90,6 @@ flags.DEFINE_list("job", [], "(internal) train these runs <run>/lr<lr>_s<seed> (
 expand, label_text = sweep.expand, report.label_text
 read_summary, collect, write_tables = report.read_summary, report.collect, report.write_tables
 plot = plots.plot
-
-
-def usage_exit(error: Exception) -> None:
-  """Ends the program on a mistake of the user's: the message as one line on stderr,
-  exit status 2 (absl would print a traceback, or its whole usage text)."""
-  print(" ".join(str(error).split()), file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
-def config_files(near: pathlib.Path) -> list[str]:
-  """The experiment config files beside `near` (else in configs/): those with a
-  get_config, for the message about a config file that does not exist."""
-  for folder in (near.parent, pathlib.Path("configs")):
-    if folder.is_dir():
-      found = [str(f) for f in sorted(folder.glob("*.py"))
-               if re.search(r"^def get_config\(", f.read_text(errors="replace"), re.M)]
-      if found:
-        return found
-  return []
 
 
 def load_config(argument: str) -> ml_collections.ConfigDict:
@@ -142,15 +124,6 @@ def load_config(argument: str) -> ml_collections.ConfigDict:
     raise app.UsageError(f"--config={argument}: get_config() did not return an experiment"
                          " config (a ConfigDict with train and runs; configs/common.py)")
   return cfg
-
-
-def field_paths(node, prefix: str = ""):
-  """Every dotted path a --config.<path> flag can name in a config (groups included)."""
-  for key, value in node.items():
-    path = f"{prefix}.{key}" if prefix else key
-    yield path
-    if isinstance(value, (ml_collections.ConfigDict, dict)):
-      yield from field_paths(value, path)
 
 
 def check_config_flags(args: list[str]) -> None:

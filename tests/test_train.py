@@ -319,15 +319,20 @@ def test_load_state_without_checkpoints(tmp_path):
 
 
 def test_config_json_round_trip(tmp_path):
-  from sse_jax.train.__main__ import load_config  # pylint: disable=g-import-not-at-top
   config = default_config()
   config.model.pattern, config.lr, config.eval_data = "SGA", 0.5, {"kind": "mqar"}
   config.model.attention = {}
   path = tmp_path / "config.json"
   path.write_text(config.to_json())
-  loaded = load_config(str(path))
+  loaded = config_lib.from_json(str(path))
   assert json.loads(loaded.to_json()) == json.loads(config.to_json())
   assert config_lib.fingerprint(loaded) == config_lib.fingerprint(config)
+  for text, words in (("[1, 2]", "holds a list"), ("{", "is not JSON")):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{path} {words}")):
+      config_lib.from_json(str(path))
+  with pytest.raises(ValueError, match="cannot read .*nothing.json: No such file"):
+    config_lib.from_json(str(tmp_path / "nothing.json"))
 
 
 def test_bf16_compute_keeps_fp32_master_weights():

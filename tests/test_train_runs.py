@@ -31,9 +31,9 @@ import pytest
 from experiments import pool
 from sse_jax import train
 from sse_jax.train import tensorboard
-from sse_jax.train.__main__ import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "train_default.py"  # its argument: a config.json
 B, T, STEPS = 8, 32, 30
 
 
@@ -74,7 +74,7 @@ def start(config, workdir, env, *args) -> subprocess.Popen:
   workdir.mkdir(parents=True, exist_ok=True)
   path = workdir.parent / f"{workdir.name}.json"
   path.write_text(config.to_json())
-  cmd = [sys.executable, "-m", "sse_jax.train", f"--config_json={path}",
+  cmd = [sys.executable, "-m", "sse_jax.train", f"--config={DEFAULT_CONFIG}:{path}",
          f"--workdir={workdir}", *args]
   return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -233,7 +233,7 @@ def save_then_die(self, step, *args):
     os.kill(os.getpid(), signal.SIGKILL)
 checkpoint.Checkpoints.save = save_then_die
 from sse_jax.train.__main__ import main
-sys.exit(main(sys.argv[1:]))
+main(sys.argv[1:])
 """
 
 
@@ -246,7 +246,7 @@ def test_sigkilled_run_resumes_bitwise(ref, tmp_path, env):
   workdir.mkdir()
   (tmp_path / "w.json").write_text(config.to_json())
   killed = subprocess.run(
-      [sys.executable, "-c", KILL_AT_SAVE, f"--config_json={tmp_path / 'w.json'}",
+      [sys.executable, "-c", KILL_AT_SAVE, f"--config={DEFAULT_CONFIG}:{tmp_path / 'w.json'}",
        f"--workdir={workdir}"], env=dict(env, KILL_AT_STEP="20"), cwd=REPO,
       capture_output=True, text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
@@ -363,8 +363,8 @@ def test_non_finite_loss_stops_loudly(tmp_path, env):
   c.model.pattern, c.model.attention = "A", {}
   c.lr, c.warmup_steps, c.grad_clip, c.checkpoint_every = 1e30, 0, 0.0, 1
   code, _, err = finish(start(c, tmp_path / "w", env))
-  # Step 1 moves the weights to ~1e30: step 2's gradients overflow.
-  assert code != 0
+  # Step 1 moves the weights to ~1e30: step 2's gradients overflow. One line, exit 1.
+  assert code == 1 and "Traceback" not in err, err[-3000:]
   assert re.search(r"NonFiniteLossError: non-finite grad_norm \(nan\) at step 2: "
                    r"loss=[\d.]+, .*last checkpoint is step 1 in .*checkpoints", err), err
   assert sorted(os.listdir(tmp_path / "w" / "checkpoints")) == ["1"]  # 2 was never saved
@@ -397,8 +397,8 @@ from sse_jax import train
 from sse_jax.data import make_dataset, make_source
 from sse_jax.train import config as config_lib, metrics
 from sse_jax.train.checkpoint import Checkpoints
-from sse_jax.train.__main__ import load_config
-config = load_config(sys.argv[1])
+from sse_jax.train.config import from_json
+config = from_json(sys.argv[1])
 config.mesh.data, config.mesh.model = int(sys.argv[3]), int(sys.argv[4])
 program = train.build(config)
 checkpoints = Checkpoints(sys.argv[2], keep=10)
@@ -449,8 +449,8 @@ import json, sys
 import jax, numpy as np
 from sse_jax import train
 from sse_jax.data import make_dataset, make_source
-from sse_jax.train.__main__ import load_config
-config = load_config(sys.argv[1])
+from sse_jax.train.config import from_json
+config = from_json(sys.argv[1])
 program = train.build(config)
 source = make_source(config.data)
 shards = [iter(make_dataset(source, batch_size=config.batch_size, seed=config.seed,
@@ -513,8 +513,8 @@ import json, re, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 from sse_jax import train
-from sse_jax.train.__main__ import load_config
-config = load_config(sys.argv[1])
+from sse_jax.train.config import from_json
+config = from_json(sys.argv[1])
 program = train.build(config)
 with jax.set_mesh(program.mesh):
   lowered = program.train_step.lower(program.restore_target(),

@@ -5,7 +5,8 @@
     config.data.num_pairs = 32
     summary = train_and_evaluate(config, workdir)
 
-`default_config` documents every field. `validate` rejects unknown or impossible values
+`default_config` documents every field; `from_json` reads a run's config.json back.
+`validate` rejects unknown or impossible values
 before anything is built; `model_config`, `eval_data_config` and `fingerprint` turn the
 config into what the trainer needs.
 """
@@ -107,6 +108,27 @@ def default_config():
       eps=1e-8, grad_clip=1.0, compute_dtype="bfloat16", param_dtype="float32",
       eval_every=200, eval_batches=8, log_every=50, checkpoint_every=200,
       keep_checkpoints=2, mesh=dict(data=-1, model=1), progress=True, tags=dict()))
+
+
+def from_json(path: str):
+  """The config a run's config.json holds (`train_and_evaluate` writes it; so does
+  `config.to_json()`): the defaults, each top-level field of the file replacing the
+  default's (a field the file lacks keeps its default). A file that cannot be read or
+  holds no JSON object is a ValueError naming it."""
+  try:
+    with open(path) as f:
+      fields = json.load(f)
+  except OSError as e:
+    raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not JSON: {e}") from None
+  if not isinstance(fields, dict):
+    raise ValueError(f"{path} holds a {type(fields).__name__}, not a training config "
+                     "(a JSON object of its fields)")
+  config = default_config()
+  for key, value in fields.items():
+    config[key] = value
+  return config
 
 
 def to_dict(value: Any) -> Any:
