@@ -93,7 +93,9 @@ class Run:
     self.checkpoints = Checkpoints(workdir, config.keep_checkpoints)
     self.train_bytes = config.data.kind != "mqar"
     self.eval_bytes = config_lib.eval_data_config(config)["kind"] != "mqar"
-    self.routed = tuple(i for i, c in enumerate(program.model_config.pattern) if c == "S")
+    # The routed layers (SSE and MoM) in the order of the model's router outputs: each
+    # gets usage statistics and, on MQAR, write / read agreement.
+    self.routed = program.model_config.routed_layers
     self.tokens_per_step = None
     self.timed_steps = 0       # steps after the first of this invocation (no compile)
     self.timed_seconds = 0.0   # their seconds, eval and checkpoints left out
