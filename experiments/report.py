@@ -108,11 +108,12 @@ def router_stats(summaries: list[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
-FAMILIES = {"S": "sse", "G": "gla", "A": "transformer"}
+FAMILIES = {"S": "sse", "G": "gla", "A": "transformer", "W": "swa", "M": "mom"}
 
 
 def family_of(pattern: str) -> str:
-  """"sse" / "gla" / "transformer" for a pattern of one mixer letter, else "hybrid"."""
+  """"sse" / "gla" / "transformer" / "swa" / "mom" for a pattern of one mixer letter,
+  else "hybrid"."""
   letters = set(pattern)
   return FAMILIES[pattern[0]] if len(letters) == 1 else "hybrid"
 
@@ -122,21 +123,33 @@ def layer_state(letter: str, mixer, seq_len: int | None) -> tuple[int, int] | No
 
   GLA: one H x Dk x Dv state. SSE: N routed partitions (+ the shared one) of that size,
   of which a token writes k (`writers`: top_k unless num_writers is set) and the shared
-  one; with per-partition Q/K/V the states are the same. Attention: the KV cache at
-  the data's sequence length T (the window if shorter), 2 T Hkv Dh, all of it active;
-  None when T is unknown.
+  one; with per-partition Q/K/V the states are the same. MoM: likewise N routed
+  memories (+ the shared one), k of them written and read per token. Attention: the KV
+  cache at the data's sequence length T (the window if shorter), 2 T Hkv Dh (keys and
+  values), all of it active; None when T is unknown. Sliding-window attention: its
+  ring cache of W positions, 2 min(T, W) Hkv Dh (W when T is unknown: the cache does
+  not grow past it).
   """
-  if letter == "A":
-    if seq_len is None:
-      return None
-    t = seq_len if mixer.window is None else min(seq_len, mixer.window)
-    cache = 2 * t * mixer.kv_heads * mixer.head
-    return cache, cache
-  head = mixer.num_heads * mixer.head_k * mixer.head_v
-  if letter == "G":
-    return head, head
-  shared = int(mixer.shared_partition)
-  return head * (mixer.writers + shared), head * (mixer.num_partitions + shared)
+  match letter:
+    case "A" | "W":
+      if seq_len is None and mixer.window is None:
+        return None
+      t = mixer.window if seq_len is None else min(seq_len, mixer.window or seq_len)
+      cache = 2 * t * mixer.kv_heads * mixer.head
+      return cache, cache
+    case "G":
+      head = mixer.num_heads * mixer.head_k * mixer.head_v
+      return head, head
+    case "S":
+      head = mixer.num_heads * mixer.head_k * mixer.head_v
+      shared = int(mixer.shared_partition)
+      return head * (mixer.writers + shared), head * (mixer.num_partitions + shared)
+    case "M":
+      head = mixer.num_heads * mixer.head_k * mixer.head_v
+      shared = int(mixer.shared_memory)
+      return head * (mixer.top_k + shared), head * (mixer.num_memories + shared)
+    case _:
+      raise ValueError(f"layer_state: unknown mixer letter {letter!r}")
 
 
 def state_floats(model, seq_len: int | None) -> dict[str, int | None]:
