@@ -6,12 +6,13 @@ r"""End-to-end training throughput and peak memory of equal-size models.
 The paper reports only op timings (Fig. 6). This times the trainer's own step
 (`sse_jax.train.build(config).train_step`: forward, backward, global-norm clipping,
 AdamW on the warm-up + cosine schedule, bf16 compute with fp32 parameters, donated
-state, sharded over every device on the "data" axis) for pure SSE, SSE-H, GLA and
-Transformer models of about the same size, at a fixed number of tokens per step
-(batch = tokens / T, rounded up to a multiple of the devices), each with its fastest
-implementation (`impl="auto"`: Pallas kernels on GPU; attention through cuDNN when
-available). The batches are random tokens. Reports tokens/s (median step time after
-warm-up) and the first device's peak memory. Writes <out>/throughput.json, .md and .png.
+state, sharded over every device on the "data" axis) for pure SSE, SSE-H, GLA,
+Transformer, GDN and SSE-GDN models of about the same size, at a fixed number of
+tokens per step (batch = tokens / T, rounded up to a multiple of the devices), each
+with its fastest implementation (`impl="auto"`: Pallas kernels on GPU; attention
+through cuDNN when available). The batches are random tokens. Reports tokens/s
+(median step time after warm-up) and the first device's peak memory. Writes
+<out>/throughput.json, .md and .png.
 
 Each point runs in a child process of its own (the device's peak-memory statistic
 never decreases within a process). With --workers=W, W of them build and compile the
@@ -49,12 +50,13 @@ def define_flags() -> None:
   """This tool's flags, defined only when it runs: as module-level flags they would clash
   with other experiments' (--out, --workers) in a process that imports several."""
   flags.DEFINE_string("size", "125m", "Model size preset (sse_jax.model.presets.SIZES).")
-  flags.DEFINE_list("variants", ["sse", "sse_h", "gla", "transformer"], "Model variants.")
+  flags.DEFINE_list("variants", ["sse", "sse_h", "gla", "transformer", "gdn", "sse_gdn"],
+                    "Model variants.")
   flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths T.")
   flags.DEFINE_integer("tokens", 65536, "Tokens per training step (batch = tokens // T).")
   flags.DEFINE_integer("steps", 10, "Timed steps (median reported).")
   flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
-  flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA layers.")
+  flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA / GDN layers.")
   flags.DEFINE_string("out", "results/throughput", "Output directory.")
   flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes.")
   flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
@@ -84,7 +86,7 @@ def train_config(variant: str, batch: int):
   impl = {"impl": FLAGS.impl}
   config = train.default_config()
   config.model = create_kwargs(presets.preset(FLAGS.size, variant, sse=dict(impl),
-                                              gla=dict(impl)))
+                                              gla=dict(impl), gdn=dict(impl)))
   config.batch_size = batch
   return config
 

@@ -1,4 +1,4 @@
-"""Flax NNX layers: the SSE, GLA and MoM linear-attention mixers, softmax attention
+"""Flax NNX layers: the SSE, GLA, GDN and MoM linear-attention mixers, softmax attention
 (full or sliding-window), SwiGLU, RMSNorm and the pre-norm block (shapes [B, T, D]
 throughout).
 
@@ -11,6 +11,7 @@ throughout).
 from sse_jax.layers.attention import Attention, AttentionConfig, KVCache
 from sse_jax.layers.block import Block, MixerConfig, REMAT_POLICIES, make_mixer
 from sse_jax.layers.features import ACTIVATIONS, activate
+from sse_jax.layers.gdn import GDN, GDNConfig
 from sse_jax.layers.gla import GLA, GLAConfig
 from sse_jax.layers.linear import LinearAttentionConfig, RecurrentCache
 from sse_jax.layers.lowrank import DecayGate, LowRank
@@ -27,8 +28,8 @@ from sse_jax.layers.sse import SSE, SSEConfig
 from sse_jax.layers.swa import RingCache, SWAConfig, SlidingWindowAttention
 
 __all__ = [
-    "ACTIVATIONS", "Attention", "AttentionConfig", "Block", "DecayGate", "Einsum", "GLA",
-    "GLAConfig", "KVCache", "LOGICAL_AXIS_RULES", "LinearAttentionConfig", "LowRank",
+    "ACTIVATIONS", "Attention", "AttentionConfig", "Block", "DecayGate", "Einsum", "GDN",
+    "GDNConfig", "GLA", "GLAConfig", "KVCache", "LOGICAL_AXIS_RULES", "LinearAttentionConfig", "LowRank",
     "MLPConfig", "MixerConfig", "MixerOutput", "MoM", "MoMConfig", "REMAT_POLICIES",
     "RMSNorm", "RecurrentCache", "RingCache", "Router", "Routing", "SSE", "SSEConfig",
     "SWAConfig", "ShortConv", "SlidingWindowAttention", "SwiGLU", "activate",

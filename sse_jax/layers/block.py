@@ -1,6 +1,6 @@
 """Pre-norm residual block: x + mixer(RMSNorm(x)), then + SwiGLU(RMSNorm(.)).
 
-    h = x + Mixer(RMSNorm_1(x))          mixer: Attention, SWA, GLA, SSE or MoM
+    h = x + Mixer(RMSNorm_1(x))          mixer: Attention, SWA, GLA, GDN, SSE or MoM
     y = h + SwiGLU(RMSNorm_2(h))          [B, T, D]
 
 `remat` (a `jax.checkpoint_policies` name, or None) rematerialises the block in the
@@ -17,6 +17,7 @@ from flax import nnx
 
 from sse_jax.layers import validation as check
 from sse_jax.layers.attention import Attention, AttentionConfig
+from sse_jax.layers.gdn import GDN, GDNConfig
 from sse_jax.layers.gla import GLA, GLAConfig
 from sse_jax.layers.mixer import MixerOutput
 from sse_jax.layers.mlp import MLPConfig, SwiGLU
@@ -26,8 +27,8 @@ from sse_jax.layers import sequences
 from sse_jax.layers.sse import SSE, SSEConfig
 from sse_jax.layers.swa import SlidingWindowAttention, SWAConfig
 
-MixerConfig = Union[AttentionConfig, GLAConfig, SSEConfig, SWAConfig, MoMConfig]
-MIXERS = {AttentionConfig: Attention, GLAConfig: GLA, SSEConfig: SSE,
+MixerConfig = Union[AttentionConfig, GLAConfig, GDNConfig, SSEConfig, SWAConfig, MoMConfig]
+MIXERS = {AttentionConfig: Attention, GLAConfig: GLA, GDNConfig: GDN, SSEConfig: SSE,
           SWAConfig: SlidingWindowAttention, MoMConfig: MoM}
 
 # Policies usable as `remat` (attribute names of jax.checkpoint_policies).

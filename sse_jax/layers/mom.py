@@ -47,12 +47,12 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from sse_jax import ops
 from sse_jax.layers import features
 from sse_jax.layers import params
+from sse_jax.layers.delta import TRANSITIONS, dt_bias_init, l2_normalize, uniform_log
 from sse_jax.layers import validation as check
 from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead
 from sse_jax.layers.linear import RecurrentCache
@@ -62,8 +62,6 @@ from sse_jax.layers.short_conv import ShortConv
 from sse_jax.ops import packing
 from sse_jax.ops import reference
 from sse_jax.ops.gdn import GDN_IMPLS, gdn, gdn_decode_step
-
-TRANSITIONS = ("gla", "delta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,23 +188,6 @@ def segment_conv(kernel: jax.Array, x: jax.Array, slots: Slots, state: jax.Array
   return jax.nn.silu(y), new
 
 
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
-
-
-def _uniform_log(lo: float, hi: float):
-  """Init of fla's A_log: log A, A ~ U(lo, hi)."""
-  return lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, lo, hi))
-
-
-def _dt_bias(key, shape, dtype, dt_min=1e-3, dt_max=0.1, floor=1e-4):
-  """Init of fla's dt_bias: softplus^-1(dt), dt log-uniform in [dt_min, dt_max]."""
-  u = jax.random.uniform(key, shape, jnp.float32)
-  dt = jnp.maximum(jnp.exp(u * (np.log(dt_max) - np.log(dt_min)) + np.log(dt_min)), floor)
-  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-
-
 class MoM(LinearMixer):
   """MoM mixer: x [B, T, D] -> MixerOutput(y [B, T, D], cache, aux_loss, usage, indices).
 
@@ -239,9 +220,9 @@ class MoM(LinearMixer):
     else:
       self.decay_proj = Grouped(m, d, (h,), ("embed", "heads"), **kw)
       self.beta_proj = Grouped(m, d, (h,), ("embed", "heads"), **kw)
-      self.a_log = params.param(rngs, _uniform_log(1.0, 16.0), (h,), ("heads",),
+      self.a_log = params.param(rngs, uniform_log(1.0, 16.0), (h,), ("heads",),
                                 jnp.float32)
-      self.dt_bias = params.param(rngs, _dt_bias, (h,), ("heads",), jnp.float32)
+      self.dt_bias = params.param(rngs, dt_bias_init, (h,), ("heads",), jnp.float32)
     w = c.short_conv
     conv = lambda dim: ShortConv(w, (h, dim), ("heads", "head_dim"), **kw) if w else None
     self.q_conv, self.k_conv, self.v_conv = conv(dk), conv(dk), conv(dv)

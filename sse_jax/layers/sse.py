@@ -27,8 +27,8 @@ Shared partition S^0 (always on, weight 1, sharing v). `lora_target`:
      shared partition the plain ones; the shared partition has its own decay gate.
 LoRA_*(x) = x A B with rank `lora_rank` (B zero-initialised, so the two start equal);
 rank 0 disables it. The official code's LoRA has rank Dv: with lora_target="routed" set
-lora_rank to the head value dim to match it (the default, 64, is the paper's). With a short conv the LoRA is added after the conv + SiLU, before
-the feature map. (The paper writes q' = q + LoRA_q(x): identical for the default
+lora_rank to the head value dim to match it (the default, 64, is the paper's). With a
+short conv the LoRA is added after the conv + SiLU, before the feature map. (The paper writes q' = q + LoRA_q(x): identical for the default
 identity query map.)
 
 Degenerate cases:
@@ -49,6 +49,21 @@ chunked GLA, "auto" the GLA's "auto" (Pallas on a GPU), any other value the XLA
 chunked GLA). Decoding then updates all P folded states (unselected ones with the
 identity).
 
+transition="delta" (SSE-GDN, docs/design.md, section 7): every partition is a gated
+delta-rule state instead (`ops.sse_gdn`). q and k (routed and shared, after the feature
+maps and the LoRA) are L2-normalised; the GLA decay gate is replaced by the official GDN
+gates g = -exp(A_log) softplus(x W_a + dt_bias), beta = sigmoid(x W_b) (x 2 with
+allow_neg_eigval), one per head, and a selected partition i takes
+
+    S'^i = exp(g_t) S_{t-1}^i,   S_t^i = S'^i + w_t^i beta_t k_t^T (v_t - k_t S'^i)
+
+(unselected: untouched); the read is the same as above. The router weight is thus a
+write strength and an output weight, never a factor of q or k. The shared partition is
+a GDN state with the shared q', k' and, with lora_target="routed", gates of its own (else
+the routed ones). Every other knob applies as written above; per-partition projections
+(share_partition_params=False) and the GLA gate fields (gate_rank, gate_normalizer away
+from their defaults) are refused.
+
 Cache state (`init_cache`): shared params: routed float32 [B, N, H, Dk, Dv], and
 with the shared partition a tuple (routed, shared [B, H, Dk, Dv]) -- the layout of
 `ops.sse`; per-partition params: [B, P H, Dk, Dv].
@@ -66,6 +81,8 @@ from sse_jax import ops
 from sse_jax.layers import features
 from sse_jax.layers import sequences
 from sse_jax.layers import validation as check
+from sse_jax.layers.delta import (TRANSITIONS, DeltaGates, Transition,
+                                  check_unused_gla_gate, l2_normalize)
 from sse_jax.layers.linear import LinearAttentionConfig, LinearMixer, OutputHead, QKV
 from sse_jax.layers.linear import RecurrentCache
 from sse_jax.layers.lowrank import DecayGate, LowRank
@@ -89,6 +106,9 @@ class SSEConfig(LinearAttentionConfig):
     official), see the module docstring.
   share_partition_params: one W_q/W_k/W_v for all partitions (the paper) or one per
     partition (Table 8 control).
+  transition: "gla" (the paper's SSE) or "delta" (SSE-GDN; impl then one of
+    `ops.SSE_GDN_IMPLS`; see the module docstring for what it refuses).
+  allow_neg_eigval: delta only: beta = 2 sigmoid(x W_b) in [0, 2].
   Defaults: key_activation "softmax" (paper), impl "varlen".
   """
 
@@ -103,6 +123,8 @@ class SSEConfig(LinearAttentionConfig):
   lora_rank: int = 64
   lora_target: str = "shared"
   share_partition_params: bool = True
+  transition: str = "gla"
+  allow_neg_eigval: bool = False
 
   @property
   def writers(self) -> int:
@@ -113,11 +135,14 @@ class SSEConfig(LinearAttentionConfig):
     return self.top_k if self.num_readers is None else self.num_readers
 
   def allowed_impls(self) -> tuple[str, ...]:
+    if self.transition == Transition.DELTA:
+      return tuple(ops.SSE_GDN_IMPLS)
     return tuple(i.value for i in ops.SSE_IMPLS)
 
   def validate(self) -> None:
-    super().validate()
     name = "SSEConfig"
+    check.choice(name, "transition", self.transition, TRANSITIONS)  # picks the impls
+    super().validate()
     check.positive_int(name, "num_partitions", self.num_partitions)
     n = self.num_partitions
     for field in ("top_k", "num_writers", "num_readers"):
@@ -130,6 +155,15 @@ class SSEConfig(LinearAttentionConfig):
     check.nonnegative_int(name, "lora_rank", self.lora_rank)
     check.choice(name, "lora_target", self.lora_target, LORA_TARGETS)
     check.boolean(name, "share_partition_params", self.share_partition_params)
+    check.boolean(name, "allow_neg_eigval", self.allow_neg_eigval)
+    if self.transition == Transition.GLA:
+      if self.allow_neg_eigval:
+        check.fail(name, "allow_neg_eigval", True, "applies to transition='delta' only")
+      return
+    if not self.share_partition_params:
+      check.fail(name, "share_partition_params", False, "is not available with "
+                 "transition='delta' (ops.sse_gdn takes one W_q/W_k/W_v for all partitions)")
+    check_unused_gla_gate(name, self, "to transition='delta'")
 
 
 class SSE(LinearMixer):
@@ -149,8 +183,15 @@ class SSE(LinearMixer):
     self.router = Router(c.hidden, c.num_partitions, c.writers, c.readers, rngs=rngs)
     slots = c.num_partitions + int(c.shared_partition)
     self.qkv = QKV(c, copies=None if c.share_partition_params else slots, **kw)
-    gate = lambda: DecayGate(c.hidden, c.gate_rank, c.num_heads, c.head_k,
-                             c.gate_normalizer, **kw)
+    # decay (GLA: g [B, T, H, Dk]; delta: (g, beta) [B, T, H]); the shared partition
+    # has its own with lora_target="routed" (the official code's), else shares it.
+    match Transition(c.transition):
+      case Transition.GLA:
+        gate = lambda: DecayGate(c.hidden, c.gate_rank, c.num_heads, c.head_k,
+                                 c.gate_normalizer, **kw)
+      case Transition.DELTA:
+        gate = lambda: DeltaGates(c.hidden, c.num_heads,
+                                  allow_neg_eigval=c.allow_neg_eigval, **kw)
     self.decay = gate()
     self.shared_decay = gate() if c.shared_partition and c.lora_target == "routed" else None
     lora = c.shared_partition and c.lora_rank > 0 and c.share_partition_params
@@ -198,11 +239,12 @@ class SSE(LinearMixer):
     return features.activate(c.query_activation, q), features.activate(c.key_activation, k)
 
   def _shared_params(self, x, q, k, v, g, g0, routing, state, decode, cu_seqlens):
-    """The paper's layer: shared W_q/W_k/W_v, one ops.sse call (or decode step)."""
+    """The paper's layer: shared W_q/W_k/W_v, one ops.sse / ops.sse_gdn call (or
+    decode step). g, g0: the routed and shared decays (`self.decay`'s output)."""
     c = self.config
     v = features.activate(c.value_activation, v)
     q_r, k_r = self._activate_qk(q, k)
-    shared = None
+    q0 = k0 = None
     if c.shared_partition:
       q0, k0 = q_r, k_r
       if self.lora_q is not None:
@@ -211,19 +253,27 @@ class SSE(LinearMixer):
           q0, k0 = adapted
         else:
           q_r, k_r = adapted
-      shared = (q0, k0, g0)
     r = routing
+    match Transition(c.transition):
+      case Transition.GLA:
+        shared = None if q0 is None else (q0, k0, g0)
+        step, full, gates = ops.sse_decode_step, ops.sse, (g,)
+      case Transition.DELTA:
+        # q and k of every partition are unit vectors; g = (g, beta) per head.
+        q_r, k_r = l2_normalize(q_r), l2_normalize(k_r)
+        shared = None if q0 is None else (l2_normalize(q0), l2_normalize(k0), *g0)
+        step, full, gates = ops.sse_gdn_decode_step, ops.sse_gdn, g
     if decode:
       first = lambda z: None if z is None else z[:, 0]
-      o, state = ops.sse_decode_step(
-          *(first(z) for z in (q_r, k_r, v, g, r.write_weights, r.write_indices)), state,
-          gate=c.gate_placement, read_weights=first(r.read_weights),
+      o, state = step(
+          *(first(z) for z in (q_r, k_r, v, *gates, r.write_weights, r.write_indices)),
+          state, gate=c.gate_placement, read_weights=first(r.read_weights),
           read_indices=first(r.read_indices),
           shared=None if shared is None else tuple(first(z) for z in shared))
       return o[:, None], state
-    return ops.sse(q_r, k_r, v, g, r.write_weights, r.write_indices,
-                   num_partitions=c.num_partitions, gate=c.gate_placement,
-                   initial_state=state, output_final_state=state is not None,
-                   impl=c.impl, chunk_size=c.chunk_size, shared=shared,
-                   read_weights=r.read_weights, read_indices=r.read_indices,
-                   cu_seqlens=cu_seqlens)
+    return full(q_r, k_r, v, *gates, r.write_weights, r.write_indices,
+                num_partitions=c.num_partitions, gate=c.gate_placement,
+                initial_state=state, output_final_state=state is not None,
+                impl=c.impl, chunk_size=c.chunk_size, shared=shared,
+                read_weights=r.read_weights, read_indices=r.read_indices,
+                cu_seqlens=cu_seqlens)

@@ -1,9 +1,14 @@
 """ModelConfig: a stack of pre-norm blocks described by a mixer pattern string.
 
-Pattern letters (one per layer): "S" SSE, "G" GLA, "A" softmax attention, "W"
-sliding-window attention, "M" MoM (Mixture-of-Memories). E.g. "S" * 24 pure SSE,
-"SSSSSA" * 3 the 18-layer SSE-H hybrid, "A" * 12 a Transformer, "SWSWA" the
-SSE-SWA-SSE-SWA-Softmax hybrid.
+Pattern letters (one per layer): "S" SSE, "G" GLA, "D" GDN (Gated DeltaNet), "A"
+softmax attention, "W" sliding-window attention, "M" MoM (Mixture-of-Memories). E.g.
+"S" * 24 pure SSE, "SSSSSA" * 3 the 18-layer SSE-H hybrid, "A" * 12 a Transformer,
+"SWSWA" the SSE-SWA-SSE-SWA-Softmax hybrid.
+
+SSE-GDN (SSE over gated delta-rule partitions) has no letter of its own: it is "S" with
+sse.transition="delta" (`SSEConfig`), so everything keyed on "S" (routed layers, router
+statistics, the state-size accounting) holds for it unchanged; one model has one SSE
+transition.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, Mapping
 from sse_jax.layers import validation as check
 from sse_jax.layers.attention import AttentionConfig
 from sse_jax.layers.block import MixerConfig, check_remat
+from sse_jax.layers.gdn import GDNConfig
 from sse_jax.layers.gla import GLAConfig
 from sse_jax.layers.mlp import MLPConfig
 from sse_jax.layers.mom import MoMConfig
@@ -22,7 +28,7 @@ from sse_jax.layers.swa import SWAConfig
 
 # letter -> (ModelConfig field, config type)
 MIXERS = {"S": ("sse", SSEConfig), "G": ("gla", GLAConfig), "A": ("attention", AttentionConfig),
-          "W": ("swa", SWAConfig), "M": ("mom", MoMConfig)}
+          "W": ("swa", SWAConfig), "M": ("mom", MoMConfig), "D": ("gdn", GDNConfig)}
 # the letters of routed mixers (a router and a load-balance loss)
 ROUTED = ("S", "M")
 
@@ -38,8 +44,9 @@ class ModelConfig:
 
   vocab_size: V. hidden: D. pattern: mixer letters, len(pattern) = number of layers.
   mlp: the SwiGLU sizes (every block has one).
-  sse / gla / attention / swa / mom: the mixer configs used by the "S" / "G" / "A" /
-    "W" / "M" layers (required for the letters present; every `hidden` must equal D).
+  sse / gla / attention / swa / mom / gdn: the mixer configs used by the "S" / "G" /
+    "A" / "W" / "M" / "D" layers (required for the letters present; every `hidden` must
+    equal D).
   tie_embeddings: logits = h E^T with the input embedding E [V, D]; else a separate
     head [D, V].
   aux_loss_coef: multiplies the sum over routed (SSE, MoM) layers of the load-balance
@@ -57,6 +64,7 @@ class ModelConfig:
   attention: AttentionConfig | None = None
   swa: SWAConfig | None = None
   mom: MoMConfig | None = None
+  gdn: GDNConfig | None = None
   tie_embeddings: bool = True
   aux_loss_coef: float = 0.01
   remat: str | None = None
@@ -111,14 +119,15 @@ class ModelConfig:
              gla: Mapping[str, Any] | None = None,
              attention: Mapping[str, Any] | None = None,
              swa: Mapping[str, Any] | None = None, mom: Mapping[str, Any] | None = None,
-             **kwargs) -> "ModelConfig":
+             gdn: Mapping[str, Any] | None = None, **kwargs) -> "ModelConfig":
     """Builds the mixer configs with `hidden` and `num_heads` filled in.
 
     A mixer config is made for every letter in `pattern` (and for any override
-    given); `sse` / `gla` / `attention` / `swa` / `mom` are field overrides, e.g.
-    sse={"top_k": 2}.
+    given); `sse` / `gla` / `attention` / `swa` / `mom` / `gdn` are field overrides,
+    e.g. sse={"top_k": 2}, sse={"transition": "delta"} (SSE-GDN).
     """
-    overrides = {"sse": sse, "gla": gla, "attention": attention, "swa": swa, "mom": mom}
+    overrides = {"sse": sse, "gla": gla, "attention": attention, "swa": swa, "mom": mom,
+                 "gdn": gdn}
     mixers = {}
     for letter, (field, config_type) in MIXERS.items():
       if letter in pattern or overrides[field] is not None:

@@ -1,5 +1,5 @@
-"""LanguageModel: embedding -> pre-norm blocks (pattern of SSE / GLA / MoM / attention /
-sliding-window attention) -> RMSNorm -> logits in float32.
+"""LanguageModel: embedding -> pre-norm blocks (pattern of SSE / GLA / GDN / MoM /
+attention / sliding-window attention) -> RMSNorm -> logits in float32.
 
     x_0 = E[tokens]                              [B, T, D]
     x_l = Block_l(x_{l-1})                       l = 1..L
@@ -78,9 +78,9 @@ class LanguageModel(nnx.Module):
     return self.config.routed_layers
 
   def init_cache(self, batch: int, max_len: int) -> tuple[Any, ...]:
-    """Per-layer caches: RecurrentCache (SSE / GLA / MoM states, conv states), KVCache
-    (attention, `max_len` positions) or RingCache (sliding-window attention, `window`
-    positions)."""
+    """Per-layer caches: RecurrentCache (SSE / GLA / GDN / MoM states, conv states),
+    KVCache (attention, `max_len` positions) or RingCache (sliding-window attention,
+    `window` positions)."""
     return tuple(block.init_cache(batch, max_len) for block in self.blocks)
 
   def __call__(self, tokens: jax.Array, *, cache: tuple[Any, ...] | None = None,

@@ -2,10 +2,12 @@
 benchmarks, and tiny models for tests.
 
 Variants (the `pattern`): "sse" (all SSE), "sse_h" (5 SSE + 1 attention, repeated),
-"gla" (all GLA), "gla_h" (5 GLA + 1 attention), "transformer" (all attention): the
-equal-size family `VARIANTS`. Two more (`EXTRA_VARIANTS`, not size-matched):
-"sse_swa", SSE-SWA-SSE-SWA-Softmax repeated (the paper's 12B conversion pattern; "SWA"
-at 3 layers), sliding windows of 512 (8 at the tiny size); "mom", all MoM
+"gla" (all GLA), "gla_h" (5 GLA + 1 attention), "transformer" (all attention), "gdn"
+(all Gated DeltaNet, "D"), "sse_gdn" (all SSE on the delta rule: "S" with
+transition="delta", otherwise the "sse" layer): the equal-size family `VARIANTS`.
+Two more (`EXTRA_VARIANTS`, not size-matched): "sse_swa", SSE-SWA-SSE-SWA-Softmax
+repeated (the paper's 12B conversion pattern; "SWA" at 3 layers), sliding windows of
+512 (8 at the tiny size); "mom", all MoM
 (Mixture-of-Memories, N = 4 memories, top-1, a shared memory; GLA transition) with a
 narrower MLP so that its *active* count matches the linear variants.
 
@@ -24,6 +26,9 @@ Non-embedding counts (vocab-independent; `count_params`, eval_shape only, N = 4)
   600M: sse 303.0M, sse_h 297.6M, gla 296.6M, transformer 308.3M    (paper 300M)
   2B:   sse 1318.1M, sse_h 1300.2M, gla 1307.3M, transformer 1306.0M (paper 1.3B)
   125M: sse 94.7M, sse_h 93.1M, gla 92.3M, gla_h 91.1M, transformer 92.0M
+  gdn (W_a, W_b [D, H] instead of the rank-16 gate; the official short conv of width
+  4 at every size) 92.3M / 296.4M / 1307.9M and sse_gdn 94.5M / 302.5M / 1318.2M at
+  125M / 600M / 2B.
 With share_partition_params=False (Table 8: N + 1 = 5 sets of W_q, W_k, W_v) the 600M
 SSE has 598.7M non-embedding parameters (paper: 580M).
 sse_swa (SWA layers are attention-sized, at the SSE MLP width): 125M 89.0M, 600M 284.1M,
@@ -42,7 +47,7 @@ from typing import Any, NamedTuple
 
 from sse_jax.model.config import ModelConfig, hybrid_pattern
 
-VARIANTS = ("sse", "sse_h", "gla", "gla_h", "transformer")
+VARIANTS = ("sse", "sse_h", "gla", "gla_h", "transformer", "gdn", "sse_gdn")
 EXTRA_VARIANTS = ("sse_swa", "mom")
 
 
@@ -76,7 +81,7 @@ def pattern_for(variant: str, layers: int) -> str:
   patterns = {"sse": "S" * layers, "sse_h": hybrid_pattern(layers, period),
               "gla": "G" * layers, "gla_h": hybrid_pattern(layers, period, linear="G"),
               "transformer": "A" * layers, "sse_swa": swa_hybrid_pattern(layers),
-              "mom": "M" * layers}
+              "mom": "M" * layers, "gdn": "D" * layers, "sse_gdn": "S" * layers}
   if variant not in patterns:
     raise ValueError(f"variant={variant!r} is not one of "
                      f"{', '.join(VARIANTS + EXTRA_VARIANTS)}")
@@ -86,10 +91,11 @@ def pattern_for(variant: str, layers: int) -> str:
 def preset(size: str, variant: str = "sse", *, vocab_size: int = 32000,
            sse: dict[str, Any] | None = None, gla: dict[str, Any] | None = None,
            attention: dict[str, Any] | None = None, swa: dict[str, Any] | None = None,
-           mom: dict[str, Any] | None = None, **kwargs) -> ModelConfig:
+           mom: dict[str, Any] | None = None, gdn: dict[str, Any] | None = None,
+           **kwargs) -> ModelConfig:
   """ModelConfig for `size` in SIZES and `variant` in VARIANTS or EXTRA_VARIANTS.
 
-  `sse` / `gla` / `attention` / `swa` / `mom` override mixer fields (e.g.
+  `sse` / `gla` / `attention` / `swa` / `mom` / `gdn` override mixer fields (e.g.
   sse={"num_partitions": 8, "top_k": 2}); other keywords go to ModelConfig
   (tie_embeddings, remat, ...).
   """
@@ -97,6 +103,8 @@ def preset(size: str, variant: str = "sse", *, vocab_size: int = 32000,
     raise ValueError(f"size={size!r} is not one of {', '.join(SIZES)}")
   s = SIZES[size]
   pattern = pattern_for(variant, s.layers)
+  if variant == "sse_gdn":
+    sse = {"transition": "delta", **(sse or {})}
   if "W" in pattern and size in SWA_WINDOW:
     swa = {"window": SWA_WINDOW[size], **(swa or {})}
   if size == "tiny":  # short chunks and the learning aids tests want to exercise
@@ -107,10 +115,13 @@ def preset(size: str, variant: str = "sse", *, vocab_size: int = 32000,
       swa = {"num_kv_heads": 2, **(swa or {})}
     if "M" in pattern or mom is not None:
       mom = {"chunk_size": 16, "short_conv": 4, **(mom or {})}
+    if "D" in pattern or gdn is not None:
+      gdn = {"chunk_size": 16, **(gdn or {})}
   mlp = {"transformer": s.transformer_mlp, "mom": s.mom_mlp}.get(variant, s.mlp)
   return ModelConfig.create(
       pattern=pattern, vocab_size=vocab_size, hidden=s.hidden, num_heads=s.heads,
-      mlp_dim=mlp, sse=sse, gla=gla, attention=attention, swa=swa, mom=mom, **kwargs)
+      mlp_dim=mlp, sse=sse, gla=gla, attention=attention, swa=swa, mom=mom, gdn=gdn,
+      **kwargs)
 
 
 def tiny(variant: str = "sse_h", *, vocab_size: int = 256, **kwargs) -> ModelConfig:
