@@ -1,4 +1,5 @@
-r"""Peer timings in PyTorch: fla's `chunk_gla` and SSE ops built on it.
+r"""Peer timings in PyTorch: fla's `chunk_gla` and `chunk_gated_delta_rule`, and the SSE
+ops built on them.
 
     python -m experiments.bench_fla --out=results/bench_ops/bench_fla.json
 
@@ -11,6 +12,16 @@ share the GPU's memory pools). Needs torch with CUDA and `fla` (flash-linear-att
   varlen: sort (token, partition) slots by (sequence, partition, position), drop empty
           segments, prepend the shared partition's sequences, one varlen `chunk_gla`
           call, scatter-add the outputs back.
+  gdn_varlen: the authors' SSE-GDN varlen op (`SSEGDN.sse_linear_attention_varlen` with
+          its `sort_along_l`, fla pull request #882, commit bf82e82): (token, partition)
+          slots sorted by (sequence, partition, position), q and k multiplied by the
+          router weight, the shared partition's sequences first, one varlen
+          `chunk_gated_delta_rule` call with `use_qk_l2norm_in_kernel=True`, outputs
+          added back with index_add. (That L2 norm divides the weight out again: see
+          docs/design.md, section 7.)
+The delta-rule rows take L2-normalised keys (our ops do not normalise: the same
+numbers either way), one log decay per head (logsigmoid / 16) and beta = sigmoid(N(0, 1)),
+as bench_ops' gdn / sse_gdn rows do. With --gdn_only only those rows are measured.
 Same setting and timing rule as bench_ops: bf16, cu_seqlens = [0, L/2, L], median of
 CUDA-event-timed forward+backward runs after warm-up.
 """
@@ -25,6 +36,8 @@ import sys
 import time
 
 _T0 = time.perf_counter()
+# Inputs whose gradients the timed backward computes (the shared partition's q', k' too).
+GRAD_NAMES = ("q", "k", "v", "g", "w", "q0", "k0", "kn", "k0n", "gh", "beta")
 
 
 def _progress(msg):
@@ -41,12 +54,15 @@ def main():
   parser.add_argument("--dim", type=int, default=128)
   parser.add_argument("--top_k", type=int, default=1)
   parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--gdn_only", action="store_true",
+                      help="only the delta-rule rows (chunk_gated_delta_rule, gdn_varlen)")
   args = parser.parse_args()
 
   _progress("importing torch")
   import torch  # pylint: disable=g-import-not-at-top
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
   _progress(f"importing fla (torch {torch.__version__})")
+  from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pylint: disable=g-import-not-at-top
   from fla.ops.gla import chunk_gla  # pylint: disable=g-import-not-at-top
   _progress("fla imported")
 
@@ -63,8 +79,12 @@ def main():
              cot=rnd(*shape).bfloat16())
     w, idx = rnd(1, length, n).softmax(-1).topk(top_k, dim=-1)
     x.update(w=w, idx=idx, cu=torch.tensor([0, length // 2, length], device=dev))
-    for name in ("q", "k", "v", "g", "w", "q0", "k0"):  # our op also differentiates the
-      x[name].requires_grad_(True)                   # shared partition's q', k'
+    # The delta rule: unit keys, a log decay and a write strength per head.
+    unit = lambda a: F.normalize(a.float(), dim=-1).bfloat16()
+    x.update(kn=unit(rnd(*shape)), k0n=unit(rnd(*shape)),
+             gh=F.logsigmoid(rnd(1, length, h)) / 16, beta=rnd(1, length, h).sigmoid())
+    for name in GRAD_NAMES:  # our op also differentiates the shared partition's q', k'
+      x[name].requires_grad_(True)
 
     return x
 
@@ -106,11 +126,42 @@ def main():
     out = op[:t].float().index_add(0, tok, op[t:].float())
     return out[None].bfloat16()
 
+  def dense_gdn(x, n):
+    del n
+    return chunk_gated_delta_rule(x["q"], x["kn"], x["v"], x["gh"], x["beta"],
+                                  cu_seqlens=x["cu"])[0]
+
+  def gdn_varlen(x, n):
+    """The authors' SSE-GDN varlen op (module docstring), written out for K = Kw = Kr
+    and B = 1 with cu_seqlens, as their layer calls it in training (eta: the top-k
+    router probabilities, here w; emulq = emulk = True)."""
+    q, k, v, g, b, w, idx, cu = (x["q"][0], x["kn"][0], x["v"][0], x["gh"][0], x["beta"][0],
+                                 x["w"][0], x["idx"][0], x["cu"])
+    t = q.shape[0]
+    seq = torch.searchsorted(cu[1:], torch.arange(t, device=dev), right=True)
+    key = (seq[:, None] * n + idx).reshape(-1)                            # [T*K]
+    order = torch.sort(key, stable=True).indices                          # time order kept
+    tok = order // top_k
+    counts = torch.bincount(key, minlength=(cu.numel() - 1) * n)
+    counts = counts[counts > 0]
+    eta = w.reshape(-1)[order].to(q.dtype)[:, None, None]
+    qp = torch.cat([x["q0"][0], q[tok] * eta])
+    kp = torch.cat([x["k0n"][0], k[tok] * eta])
+    vp = torch.cat([v, v[tok]])
+    gp = torch.cat([g, g[tok]])
+    bp = torch.cat([b, b[tok]])
+    cu_p = torch.cat([cu, t + torch.cumsum(counts, 0)])
+    op = chunk_gated_delta_rule(qp[None], kp[None], vp[None], gp[None], bp[None],
+                                cu_seqlens=cu_p, use_qk_l2norm_in_kernel=True)[0][0]
+    out = op[:t].clone()
+    out.index_add_(0, tok, op[t:])
+    return out[None]
+
   def time_fb(fn, x, n):
     _progress(f"{fn.__name__} L={x['q'].shape[1]} N={n}: first calls (compile, autotune)")
 
     def run():
-      for name in ("q", "k", "v", "g", "w", "q0", "k0"):
+      for name in GRAD_NAMES:
         x[name].grad = None
       o = fn(x, n)
       (o.float() * x["cot"].float()).sum().backward()
@@ -133,20 +184,26 @@ def main():
     tmp = pathlib.Path(args.out + ".tmp")  # then renamed: a kill never leaves half a file
     tmp.write_text(json.dumps(dict(rows=rows), indent=1))
     tmp.replace(args.out)
+  dense_ops = (("gdn", "chunk_gated_delta_rule", dense_gdn),)
+  sse_ops = (("sse_gdn", "authors_gdn_varlen", gdn_varlen),)
+  if not args.gdn_only:
+    dense_ops = (("gla", "chunk_gla", dense),) + dense_ops
+    sse_ops = (("sse", "fla_mask", mask), ("sse", "fla_varlen", varlen)) + sse_ops
   for length in (int(v) for v in args.lengths.split(",")):
     x = inputs(length, 4)
-    ms = time_fb(dense, x, 4)
-    rows.append(dict(source="fla (torch)", op="gla", impl="chunk_gla", length=length,
-                     n=None, fwd_bwd_ms=ms))
-    print(f"fla chunk_gla L={length} fwd+bwd {ms:.3f} ms", flush=True)
-    save()
+    for op, name, fn in dense_ops:
+      ms = time_fb(fn, x, 4)
+      rows.append(dict(source="fla (torch)", op=op, impl=name, length=length, n=None,
+                       fwd_bwd_ms=ms))
+      print(f"fla {name} L={length} fwd+bwd {ms:.3f} ms", flush=True)
+      save()
     for n in (int(v) for v in args.partitions.split(",")):
       x = inputs(length, n)
-      for name, fn in (("mask", mask), ("varlen", varlen)):
+      for op, name, fn in sse_ops:
         ms = time_fb(fn, x, n)
-        rows.append(dict(source="fla (torch)", op="sse", impl=f"fla_{name}",
-                         length=length, n=n, fwd_bwd_ms=ms))
-        print(f"fla sse {name} L={length} N={n} fwd+bwd {ms:.3f} ms", flush=True)
+        rows.append(dict(source="fla (torch)", op=op, impl=name, length=length, n=n,
+                         fwd_bwd_ms=ms))
+        print(f"fla {op} {name} L={length} N={n} fwd+bwd {ms:.3f} ms", flush=True)
         save()
 
 

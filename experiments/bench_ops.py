@@ -1,4 +1,4 @@
-r"""Times the GLA / SSE op implementations at the paper's Fig. 6 setting.
+r"""Times the GLA / SSE and GDN / SSE-GDN op implementations at the paper's Fig. 6 setting.
 
     python -m experiments.bench_ops                       # full grid (GPU)
     python -m experiments.bench_ops --lengths=2048 --partitions=4 --reps=5   # quick
@@ -7,7 +7,10 @@ Setting (the paper's Fig. 6): bf16, 8 heads, head dim 128, K = 1, B = 1 with
 cu_seqlens = [0, L/2, L]; SSE timings include the always-on shared partition (fused in
 the same chunked call, as the authors' op does). Times are medians over `--reps` runs
 under `jit`, after warm-up, each ended by `block_until_ready`; "fwd+bwd" is the gradient
-of sum(o * cotangent) w.r.t. q, k, v, g (and the router weights for SSE).
+of sum(o * cotangent) w.r.t. q, k, v, g (and beta for the delta rule, the router weights
+for SSE). The delta-rule rows (gdn, sse_gdn) take the same q, v and router, keys
+L2-normalised (as the GDN layer gives them), one log decay per head (the GLA gate's first
+feature, logsigmoid / 16) and beta = sigmoid(N(0, 1)).
 
 With `--check_length`, relative errors of o and every gradient against the float32
 `lax.scan` reference are measured at that length (bf16 inputs upcast for the
@@ -19,6 +22,7 @@ Writes `<out>/bench_ops.json`, `<out>/bench_ops.md` and `<out>/bench_ops.png`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -33,8 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.op_setting import make_inputs, parse_variant, time_fn  # pylint: disable=unused-import
+from pallas_kernels import chunk_gdn as gdn_kernels
 from pallas_kernels import chunk_gla as kernels
 from sse_jax import ops
+from sse_jax.ops import impl as impl_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths L.")
@@ -42,6 +48,9 @@ flags.DEFINE_list("partitions", ["4", "8", "16"], "Numbers of partitions N.")
 flags.DEFINE_list("gla_impls", ["chunk", "pallas_chunk"], "Dense GLA impls.")
 flags.DEFINE_list("sse_impls", ["loop", "masking", "varlen", "pallas_masking",
                                 "pallas_varlen"], "SSE impls.")
+flags.DEFINE_list("gdn_impls", ["chunk", "pallas_chunk"], "Dense GDN impls.")
+flags.DEFINE_list("sse_gdn_impls", ["masking", "varlen", "pallas_masking", "pallas_varlen"],
+                  "SSE-GDN impls.")
 flags.DEFINE_integer("loop_max_length", 8192, "Skip the slow 'loop' impl above this L.")
 flags.DEFINE_integer("heads", 8, "Heads H.")
 flags.DEFINE_integer("dim", 128, "Head dim Dk = Dv.")
@@ -61,28 +70,75 @@ flags.DEFINE_string("from_json", "", "Only redraw table and plot from saved benc
 flags.DEFINE_string("out", "results/bench_ops", "Output directory.")
 flags.DEFINE_string("block_sizes", "", "BlockSizes fields for every Pallas impl, e.g. "
                     "'fused_states=false,sweep_k=64' (default: the kernels' defaults).")
+flags.DEFINE_string("gdn_block_sizes", "", "chunk_gdn.BlockSizes fields for every Pallas "
+                    "GDN / SSE-GDN impl, e.g. 'block_v=32,num_warps=8'.")
+
+
+def with_block_sizes(impl: str, block_sizes: dict, op: str = "gla"):
+  """`impl`, or for a Pallas impl when `block_sizes` (BlockSizes fields of `op`'s
+  kernels: `chunk_gdn` for the delta-rule ops) is not empty, its `ops.Plan` with those
+  tiles (the chunk size is BlockSizes' unless a field sets it)."""
+  if not block_sizes or ops.Impl(impl) is ops.Impl.AUTO:
+    return impl
+  plan = impl_lib.named(impl)
+  if not isinstance(plan.core, ops.PallasCore):
+    return impl
+  module = gdn_kernels if op in impl_lib.DELTA_OPS else kernels
+  return dataclasses.replace(plan, core=ops.PallasCore(module.BlockSizes(**block_sizes)))
+
+
+def delta_inputs(x):
+  """The delta-rule inputs derived from make_inputs' dict: L2-normalised keys "kn",
+  "k0n", a per-head log decay "gh" [1, L, H] (the GLA gate's first feature) and "beta"
+  [1, L, H] = sigmoid(N(0, 1))."""
+  unit = lambda a: (a.astype(jnp.float32) / jnp.linalg.norm(
+      a.astype(jnp.float32), axis=-1, keepdims=True)).astype(a.dtype)
+  beta = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(11), x["g"].shape[:3]))
+  return dict(x, kn=unit(x["k"]), k0n=unit(x["k0"]), gh=x["g"][..., 0], beta=beta)
 
 
 def op_fn(op, impl, n):
-  """(forward, forward+backward) functions of the input dict."""
-  if op == "gla":
-    def fwd(x, q, k, v, g, w):
-      return ops.gla(q, k, v, g, cu_seqlens=x["cu"], impl=impl)[0]
-  else:
-    def fwd(x, q, k, v, g, w):
-      return ops.sse(q, k, v, g, w, x["idx"], num_partitions=n, cu_seqlens=x["cu"],
-                     impl=impl, shared=(x["q0"], x["k0"], g))[0]
+  """(forward, forward+backward) functions of the input dict; impl a string, or a Plan
+  whose Pallas tiles set the chunk size."""
+  kw = {}
+  if isinstance(impl, ops.Plan) and isinstance(impl.core, ops.PallasCore):
+    kw["chunk_size"] = impl.core.block_sizes.chunk
+  delta = op in impl_lib.DELTA_OPS  # inputs from `delta_inputs`
+  match op:
+    case "gla":
+      def fwd(x, q, k, v, g, w, beta):
+        del w, beta
+        return ops.gla(q, k, v, g, cu_seqlens=x["cu"], impl=impl, **kw)[0]
+    case "sse":
+      def fwd(x, q, k, v, g, w, beta):
+        del beta
+        return ops.sse(q, k, v, g, w, x["idx"], num_partitions=n, cu_seqlens=x["cu"],
+                       impl=impl, shared=(x["q0"], x["k0"], g), **kw)[0]
+    case "gdn":
+      def fwd(x, q, k, v, g, w, beta):
+        del w
+        return ops.gdn(q, k, v, g, beta, cu_seqlens=x["cu"], impl=impl, **kw)[0]
+    case "sse_gdn":
+      def fwd(x, q, k, v, g, w, beta):
+        return ops.sse_gdn(q, k, v, g, beta, w, x["idx"], num_partitions=n,
+                           cu_seqlens=x["cu"], impl=impl,
+                           shared=(x["q0"], x["k0n"], g, beta), **kw)[0]
+    case _:
+      raise ValueError(f"unknown op {op!r}")
+  names = ("q", "kn", "v", "gh", "w", "beta") if delta else ("q", "k", "v", "g", "w", "w")
+  # Gradients (dq, dk, dv, dg, then dw for SSE, dbeta for the delta rule).
+  argnums = {"gla": (0, 1, 2, 3), "sse": (0, 1, 2, 3, 4), "gdn": (0, 1, 2, 3, 5),
+             "sse_gdn": (0, 1, 2, 3, 4, 5)}[op]
 
   def forward(x):
-    return fwd(x, x["q"], x["k"], x["v"], x["g"], x["w"])
+    return fwd(x, *(x[name] for name in names))
 
-  def loss(q, k, v, g, w, x):
-    o = fwd(x, q, k, v, g, w)
+  def loss(q, k, v, g, w, beta, x):
+    o = fwd(x, q, k, v, g, w, beta)
     return jnp.sum(o.astype(jnp.float32) * x["cot"].astype(jnp.float32))
 
   def forward_backward(x):
-    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x["q"], x["k"], x["v"], x["g"],
-                                                   x["w"], x)
+    return jax.grad(loss, argnums=argnums)(*(x[name] for name in names), x)
   return jax.jit(forward), jax.jit(forward_backward)
 
 
@@ -106,9 +162,10 @@ def errors(op, impl, n, x):
   x32 = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
          for k, v in x.items()}
   out = {"o": rel_err(fwd(x), rfwd(x32))}
-  for name, a, b in zip(("dq", "dk", "dv", "dg", "dw"), fb(x), rfb(x32)):
-    if op == "gla" and name == "dw":
-      continue
+  names = {"gla": ("dq", "dk", "dv", "dg"), "sse": ("dq", "dk", "dv", "dg", "dw"),
+           "gdn": ("dq", "dk", "dv", "dg", "dbeta"),
+           "sse_gdn": ("dq", "dk", "dv", "dg", "dw", "dbeta")}[op]
+  for name, a, b in zip(names, fb(x), rfb(x32)):
     out[name] = rel_err(a, b)
   return out
 
@@ -163,14 +220,14 @@ def plot(rows, path, meta):
   series = {}
   for r in rows:
     if r.get("fwd_bwd_ms") is not None:
-      series.setdefault((r["source"], r["impl"], r.get("n")), []).append(
+      series.setdefault((r["source"], r["op"], r["impl"], r.get("n")), []).append(
           (r["length"], r["fwd_bwd_ms"]))
-  impls = sorted({(s, i) for s, i, _ in series})
-  colors = dict(zip(impls, plt.cm.tab10.colors))
-  for (source, impl, n), pts in sorted(series.items(), key=str):
+  impls = sorted({(s, o, i) for s, o, i, _ in series})
+  colors = dict(zip(impls, plt.cm.tab20.colors * 2))
+  for (source, op, impl, n), pts in sorted(series.items(), key=str):
     pts.sort()
     ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(n, "-"), marker="o",
-            color=colors[(source, impl)], label=f"{impl}" + (f" N={n}" if n else "")
+            color=colors[(source, op, impl)], label=f"{op} {impl}" + (f" N={n}" if n else "")
             + ("" if source == "sse-jax" else f" ({source})"))
   for (name, n), pts in QUOTED_PEERS.items():
     xs = sorted(pts)
@@ -181,7 +238,7 @@ def plot(rows, path, meta):
   ax.set_yscale("log")
   ax.set_xlabel("sequence length L (cu_seqlens = [0, L/2, L])")
   ax.set_ylabel("forward + backward (ms, median)")
-  ax.set_title(f"GLA / SSE ops, bf16, H={meta['heads']}, D={meta['dim']}, "
+  ax.set_title(f"GLA / SSE / GDN / SSE-GDN ops, bf16, H={meta['heads']}, D={meta['dim']}, "
                f"K={meta['top_k']}, {meta['device']}")
   ax.legend(fontsize=6, ncol=3)
   ax.grid(True, which="both", alpha=0.3)
@@ -228,39 +285,45 @@ def main(argv):
   print(f"device: {device}, jax {jax.__version__}", flush=True)
   rows = []
   block_sizes = parse_variant(FLAGS.block_sizes)
+  gdn_block_sizes = parse_variant(FLAGS.gdn_block_sizes)
   meta = dict(device=device, jax=jax.__version__, heads=FLAGS.heads, dim=FLAGS.dim,
               top_k=FLAGS.top_k, reps=FLAGS.reps, block_sizes=block_sizes,
+              gdn_block_sizes=gdn_block_sizes,
               command="python -m experiments.bench_ops " + " ".join(sys.argv[1:]))
 
   def save(rows):
     (out / "bench_ops.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
   def record(op, impl, length, n, x):
-    fwd, fb = op_fn(op, impl, n)
+    tiles = gdn_block_sizes if op in impl_lib.DELTA_OPS else block_sizes
+    fwd, fb = op_fn(op, with_block_sizes(impl, tiles, op), n)
     t_fwd = time_fn(fwd, x, FLAGS.reps, FLAGS.warmup)[0] if FLAGS.time_fwd else None
     t_fb, c_fb = time_fn(fb, x, FLAGS.reps, FLAGS.warmup)
     row = dict(source="sse-jax", op=op, impl=impl, length=length, n=n, fwd_ms=t_fwd,
                fwd_bwd_ms=t_fb, compile_s=c_fb,
                temp_mib=temp_mib(fb, x) if FLAGS.memory else None)
     if FLAGS.check_length == length and (n is None or str(n) in FLAGS.check_partitions):
-      row["errors"] = errors(op, impl, n, x)
+      row["errors"] = errors(op, with_block_sizes(impl, tiles, op), n, x)
     rows.append(row)
     save(rows)  # after every row, so that a run cut short keeps what it measured
-    print(f"{op:4s} {impl:15s} L={length:6d} N={n or '-':>2} fwd {t_fwd or 0:8.3f} ms  "
+    print(f"{op:7s} {impl:15s} L={length:6d} N={n or '-':>2} fwd {t_fwd or 0:8.3f} ms  "
           f"fwd+bwd {t_fb:8.3f} ms  compile {c_fb:5.1f} s"
           + (f"  err {row['errors']}" if "errors" in row else ""), flush=True)
 
-  with kernels.block_size_defaults(**block_sizes):
-    for length in lengths:
-      x = make_inputs(length, max(parts), FLAGS.heads, FLAGS.dim, FLAGS.top_k)
-      for impl in FLAGS.gla_impls:
-        record("gla", impl, length, None, x)
-      for n in parts:
-        xn = make_inputs(length, n, FLAGS.heads, FLAGS.dim, FLAGS.top_k)
-        for impl in FLAGS.sse_impls:
-          if impl == "loop" and length > FLAGS.loop_max_length:
-            continue
-          record("sse", impl, length, n, xn)
+  for length in lengths:
+    x = delta_inputs(make_inputs(length, max(parts), FLAGS.heads, FLAGS.dim, FLAGS.top_k))
+    for impl in FLAGS.gla_impls:
+      record("gla", impl, length, None, x)
+    for impl in FLAGS.gdn_impls:
+      record("gdn", impl, length, None, x)
+    for n in parts:
+      xn = delta_inputs(make_inputs(length, n, FLAGS.heads, FLAGS.dim, FLAGS.top_k))
+      for impl in FLAGS.sse_impls:
+        if ops.Impl(impl) is ops.Impl.LOOP and length > FLAGS.loop_max_length:
+          continue
+        record("sse", impl, length, n, xn)
+      for impl in FLAGS.sse_gdn_impls:
+        record("sse_gdn", impl, length, n, xn)
 
   if FLAGS.fla:
     rows += run_fla(out)

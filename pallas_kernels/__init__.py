@@ -1,1 +1,5 @@
-"""Pallas GPU kernels (Triton lowering); run in interpret mode on CPU for tests."""
+"""Pallas GPU kernels (Triton lowering); run in interpret mode on CPU for tests.
+
+  chunk_gla  chunked gated linear attention (GLA / SSE)
+  chunk_gdn  chunked gated delta rule (GDN / SSE-GDN)
+"""

@@ -250,8 +250,9 @@ def _gdn_args(**over):
      r"beta must be in \[0, 2\] .*got beta\[0, 6, 0\] = 2.5"),
     (dict(beta=-jnp.ones((1, 8, 2))), r"got beta\[0, 0, 0\] = -1.0 \(and 15 more\)"),
     (dict(impl="varlen"), "impl='varlen' is not available for gdn; choose one of 'scan',"
-     " 'chunk', 'auto'"),
-    (dict(impl="pallas_chunk"), "impl='pallas_chunk' is not available for gdn"),
+     " 'chunk', 'pallas_chunk', 'auto'"),
+    (dict(impl="pallas_varlen"), "impl='pallas_varlen' is not available for gdn"),
+    (dict(impl="pallas_chunk"), r"Dk=4: the Pallas GDN kernels support head dims"),
     (dict(chunk_size=0), "chunk_size=0 must be a positive int"),
     (dict(scale=jnp.ones(2)), "scale must be a scalar"),
     (dict(initial_state=jnp.zeros((1, 2, 4, 5))),

@@ -326,8 +326,10 @@ SHARED_OK = (jnp.zeros((1, 8, 2, 4)),) * 2 + (jnp.zeros((1, 8, 2)),) * 2
     (dict(g=jnp.ones((1, 8, 2))), r"g must be <= 0 .*g\[0, 0, 0\] = 1.0"),
     (dict(gate="sideways"), "gate='sideways' is not one of"),
     (dict(impl="chunk"), "impl='chunk' is not available for sse_gdn; choose one of 'scan',"
-     " 'masking', 'varlen', 'auto'"),
-    (dict(impl="pallas_varlen"), "impl='pallas_varlen' is not available for sse_gdn"),
+     " 'masking', 'varlen', 'pallas_masking', 'pallas_varlen', 'auto'"),
+    (dict(impl="pallas_chunk"), "impl='pallas_chunk' is not available for sse_gdn"),
+    (dict(impl="pallas_varlen", chunk_size=48),
+     r"chunk_size=48: the Pallas GDN kernels take chunk sizes \(16, 32, 64\)"),
     (dict(shared=SHARED_OK[:3]), r"shared must be a tuple \(q', k', g', beta'\)"),
     (dict(shared=SHARED_OK[:2] + (jnp.zeros((1, 8, 2, 4)), SHARED_OK[3])),
      r"shared g' must have shape \(1, 8, 2\)"),
@@ -376,8 +378,9 @@ def test_exported_from_ops():
   from sse_jax import ops  # pylint: disable=g-import-not-at-top
   assert (ops.gdn, ops.gdn_decode_step, ops.sse_gdn, ops.sse_gdn_decode_step) == (
       gdn, gdn_decode_step, sse_gdn, sse_gdn_decode_step)
-  assert ops.GDN_IMPLS == ("scan", "chunk", "auto")
-  assert ops.SSE_GDN_IMPLS == ("scan", "masking", "varlen", "auto")
+  assert ops.GDN_IMPLS == ("scan", "chunk", "pallas_chunk", "auto")
+  assert ops.SSE_GDN_IMPLS == ("scan", "masking", "varlen", "pallas_masking",
+                               "pallas_varlen", "auto")
 
 
 def _sharded_check():

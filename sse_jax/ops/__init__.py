@@ -14,8 +14,8 @@ N routed partitions, K partitions selected per token (top-k), S packed sequences
     gdn_decode_step / sse_gdn_decode_step                 one token (delta rule)
 
 gdn and sse_gdn are the gated delta rule (Gated DeltaNet) and SSE over delta-rule
-partitions (docs/design.md, section 7); their `impl` is a string: GDN_IMPLS,
-SSE_GDN_IMPLS.
+partitions (docs/design.md, section 7); their `impl` strings are GDN_IMPLS and
+SSE_GDN_IMPLS (the Pallas forms run `pallas_kernels.chunk_gdn`), or a typed `Plan`.
 
 `impl` picks the implementation: an `Impl` string ("chunk", "pallas_varlen", "auto",
 ...) or a typed `Plan` (an `Algorithm` and a chunk core, `XlaCore` or `PallasCore`

@@ -42,27 +42,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import chunk_gdn as kernels
 from sse_jax.ops import checks
 from sse_jax.ops import chunked
+from sse_jax.ops import impl as impl_lib
 from sse_jax.ops import packing
 from sse_jax.ops import reference
 from sse_jax.ops import sharding
+from sse_jax.ops.impl import Algorithm
 
 DEFAULT_CHUNK = 64
-GDN_IMPLS = ("scan", "chunk", "auto")
+# The impl strings gdn takes (`impl_lib.GDN_IMPLS`): "scan", "chunk", "pallas_chunk",
+# "auto"; a typed `impl_lib.Plan` of algorithm SCAN or CHUNK is taken too.
+GDN_IMPLS = tuple(i.value for i in impl_lib.GDN_IMPLS)
 
 
-def parse_impl(impl) -> str:
-  """gdn's impl name: "scan" (the reference) or "chunk" ("auto": the fastest available,
-  the chunked XLA form)."""
-  match getattr(impl, "value", impl):  # a string or an enum member with that value
-    case "scan":
-      return "scan"
-    case "chunk" | "auto":
-      return "chunk"
-    case other:
-      raise ValueError(f"impl={other!r} is not available for gdn; choose one of"
-                       f" {', '.join(map(repr, GDN_IMPLS))}")
+def core_fn(core, qkv_dtype):
+  """The delta-rule chunk core (contract: `chunk_gdn`) of a plan's core: the XLA form
+  below, or the Pallas kernels (`pallas_kernels.chunk_gdn`) with their static
+  parameters bound."""
+  match core:
+    case impl_lib.XlaCore():
+      return chunk_gdn
+    case impl_lib.PallasCore(block_sizes=block_sizes, interpret=interpret):
+      return lambda *args: kernels.chunk_gdn(*args, block_sizes=block_sizes,
+                                             interpret=interpret, storage_dtype=qkv_dtype)
+    case _:
+      raise ValueError(f"unknown chunk core {core!r}")
+
+
+def storage_dtype(core, input_dtypes, compute_dtype) -> jnp.dtype:
+  """dtype of q, k, v inside the chunked path: `impl_lib.storage_dtype`, except that
+  float64 runs the Pallas kernels in float64 (interpret mode: the tests compare them with
+  the scan to float64 precision)."""
+  if isinstance(core, impl_lib.PallasCore) and jnp.dtype(compute_dtype) == jnp.float64:
+    return jnp.dtype(jnp.float64)
+  return impl_lib.storage_dtype(core, input_dtypes, compute_dtype)
 
 
 def check_chunk_size(chunk_size) -> int:
@@ -198,9 +213,16 @@ def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks):
   return jnp.where(covered, jnp.moveaxis(o, 2, 3), 0.0), final
 
 
+def run_core(core, q, k, v, g, beta, h0, seg_start, seg_chunks):
+  """core(...) on chunked inputs, g raised to chunked.LOG_DECAY_FLOOR first (a -inf
+  reset made finite for every core, as `gla.run_core` does)."""
+  return core(q, k, v, chunked.floor_log_decay(g), beta, h0, seg_start, seg_chunks)
+
+
 def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = False,
-                     sorted_tail: int = 0):
-  """`chunk_gdn` over slots grouped into segments (see `packing`).
+                     sorted_tail: int = 0, core=chunk_gdn):
+  """`chunk_gdn` (or another chunk core) over slots grouped into segments (see
+  `packing`).
 
   rows: (q, k, v, g, beta), each [P, ...] (P slots, in time order within each segment);
   slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted, sorted_tail as in
@@ -212,20 +234,21 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
                                 sorted_tail)
   buffers = [packing.scatter_rows(x, layout.rows, num_chunks * chunk_size).reshape(
       (1, num_chunks, chunk_size) + x.shape[1:]) for x in rows]
-  o, final = chunk_gdn(*buffers, h0, layout.seg_start, layout.seg_chunks)
+  o, final = run_core(core, *buffers, h0, layout.seg_start, layout.seg_chunks)
   o = o.reshape((num_chunks * chunk_size,) + o.shape[3:])
   return packing.gather_rows(o, layout.rows), final
 
 
-def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int):
-  """The chunked form on [B, T, ...] inputs (compute dtype, q scaled): equal-length rows
-  of the batch, or B == 1 row of packed sequences."""
+def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int, core=chunk_gdn):
+  """The chunked form on [B, T, ...] inputs (q scaled; q, k, v in the core's storage
+  dtype, the rest in the compute dtype): equal-length rows of the batch, or B == 1 row
+  of packed sequences. core: a chunk core (`core_fn`), the XLA `chunk_gdn` by default."""
   b, t = q.shape[:2]
   if cu_seqlens is not None:
     seq, _ = reference.sequence_ids(cu_seqlens, t)
     # Sequence ids never decrease along T: the slots are already in segment order.
     o, final = packed_chunk_gdn(tuple(x[0] for x in (q, k, v, g, beta)), seq, h0,
-                                chunk_size, presorted=True)
+                                chunk_size, presorted=True, core=core)
     return o[None], final
   nc = -(-t // chunk_size)
 
@@ -233,8 +256,8 @@ def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int):
     x = jnp.pad(x, [(0, 0), (0, nc * chunk_size - t)] + [(0, 0)] * (x.ndim - 2))
     return x.reshape((b, nc, chunk_size) + x.shape[2:])
 
-  o, final = chunk_gdn(*map(chunks, (q, k, v, g, beta)), h0,
-                       jnp.arange(b, dtype=jnp.int32) * nc, jnp.full((b,), nc, jnp.int32))
+  o, final = run_core(core, *map(chunks, (q, k, v, g, beta)), h0,
+                      jnp.arange(b, dtype=jnp.int32) * nc, jnp.full((b,), nc, jnp.int32))
   return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], final
 
 
@@ -255,8 +278,12 @@ def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     cu_seqlens: int32 [S + 1] boundaries of S sequences packed along T (needs B == 1);
       starts at 0, never decreases, ends at T (checked on concrete values; under `jit`
       the caller's contract, checked by `checked`).
-    impl: "chunk" (default; chunkwise-parallel WY form), "auto" or "scan" (reference).
-    chunk_size: C, a positive int.
+    impl: "chunk" (default; chunkwise-parallel WY form in XLA), "pallas_chunk" (the
+      same form as Pallas kernels, `pallas_kernels.chunk_gdn`; interpret mode off the
+      GPU), "auto" (Pallas on a supported GPU, else "chunk") or "scan" (reference); or
+      an `impl.Plan` of algorithm SCAN or CHUNK (Pallas block sizes, interpret mode).
+    chunk_size: C, a positive int (16, 32 or 64 for the Pallas kernels:
+      `chunk_gdn.shape_error`).
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None). States are float32, or float64
     when an input is float64. Empty inputs (B, T, H, Dk or Dv = 0) give zeros and the
@@ -266,8 +293,8 @@ def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
       ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("cu_seqlens", cu_seqlens),
       ("initial_state", initial_state)))
   b, t, h, dk, dv = check_inputs(q, k, v, g, beta)
-  impl = parse_impl(impl)
   chunk_size = check_chunk_size(chunk_size)
+  plan, chunk_size = impl_lib.plan(impl, "gdn", chunk_size=chunk_size, head_dims=(dk, dv))
   checks.check_scale(scale)
   nseq = checks.check_cu_seqlens(cu_seqlens, b, t)
   nstate = b if nseq is None else nseq
@@ -281,25 +308,33 @@ def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   if 0 in (b, t, h, dk, dv):  # nothing to compute (and no -1 axis to infer below)
     return jnp.zeros((b, t, h, dv), v.dtype), (h0 if output_final_state else None)
   scale = dk ** -0.5 if scale is None else scale
-  return _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, impl=impl, chunk_size=chunk_size,
-              dtype=dtype, output_final_state=output_final_state)
+  qkv_dtype = storage_dtype(plan.core, (q.dtype, k.dtype, v.dtype), dtype)
+  return _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, plan=plan, chunk_size=chunk_size,
+              dtype=dtype, qkv_dtype=qkv_dtype, output_final_state=output_final_state)
 
 
 # One compiled program per configuration (as `gla`'s): eager calls run one executable.
-@functools.partial(jax.jit, static_argnames=("impl", "chunk_size", "dtype",
+@functools.partial(jax.jit, static_argnames=("plan", "chunk_size", "dtype", "qkv_dtype",
                                              "output_final_state"))
-def _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, *, impl, chunk_size, dtype,
+def _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, *, plan, chunk_size, dtype, qkv_dtype,
          output_final_state):
-  """gdn's computation on checked inputs, h0 already in `dtype`."""
+  """gdn's computation on checked inputs, h0 already in `dtype`; q, k, v in
+  `qkv_dtype` (the chunk core's storage dtype)."""
   b, h = q.shape[0], q.shape[2]
   out_dtype = v.dtype
-  q = q.astype(dtype) * scale
-  k, v, g, beta = (x.astype(dtype) for x in (k, v, g, beta))
+  q = (q.astype(dtype) * scale).astype(qkv_dtype)
+  k, v = k.astype(qkv_dtype), v.astype(qkv_dtype)
+  g, beta = g.astype(dtype), beta.astype(dtype)
 
   def run(q, k, v, g, beta, h0):
-    if impl == "scan":
-      return gdn_scan(q, k, v, g, beta, h0, cu_seqlens)
-    return chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size)
+    match plan.algorithm:
+      case Algorithm.SCAN:
+        return gdn_scan(q, k, v, g, beta, h0, cu_seqlens)
+      case Algorithm.CHUNK:
+        return chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size,
+                           core_fn(plan.core, qkv_dtype))
+      case other:
+        raise ValueError(f"gdn has no algorithm {other!r}")
 
   axes = sharding.shard_axes(b, h)  # a context mesh: one batch / head shard per device
   if axes is None:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import chunk_gdn as gdn_kernels
 from pallas_kernels import chunk_gla as kernels
 from sse_jax.ops import checks
 from sse_jax.ops import chunked
@@ -46,6 +47,9 @@ class Algorithm(enum.Enum):
 
 GLA_ALGORITHMS = (Algorithm.SCAN, Algorithm.CHUNK)
 SSE_ALGORITHMS = (Algorithm.SCAN, Algorithm.LOOP, Algorithm.MASKING, Algorithm.VARLEN)
+# The delta-rule ops (gdn, sse_gdn): the same algorithms on the gated delta rule.
+GDN_ALGORITHMS = GLA_ALGORITHMS
+SSE_GDN_ALGORITHMS = (Algorithm.SCAN, Algorithm.MASKING, Algorithm.VARLEN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,17 +59,18 @@ class XlaCore:
 
 @dataclasses.dataclass(frozen=True)
 class PallasCore:
-  """The Pallas GPU kernels (`pallas_kernels.chunk_gla`) as the chunk core.
+  """The Pallas GPU kernels (`pallas_kernels.chunk_gla`; `chunk_gdn` for the delta-rule
+  ops) as the chunk core.
 
-  block_sizes: their tiles, a `kernels.BlockSizes` whose `chunk` is the op's chunk size;
-    None: BlockSizes(chunk=chunk_size), filled in by `plan`.
+  block_sizes: their tiles, a `BlockSizes` of that kernel module whose `chunk` is the
+    op's chunk size; None: BlockSizes(chunk=chunk_size), filled in by `plan`.
   interpret: run them in Pallas interpret mode (slow; for tests off the GPU); None:
     when the default backend is not a GPU, filled in by `plan`.
   bf16 inputs stay bf16 in the matmuls (fp32 accumulation); others run fp32
   (`storage_dtype`).
   """
 
-  block_sizes: kernels.BlockSizes | None = None
+  block_sizes: kernels.BlockSizes | gdn_kernels.BlockSizes | None = None
   interpret: bool | None = None
 
 
@@ -110,7 +115,18 @@ class Impl(enum.Enum):
 GLA_IMPLS = (Impl.SCAN, Impl.CHUNK, Impl.PALLAS_CHUNK, Impl.AUTO)
 SSE_IMPLS = (Impl.SCAN, Impl.LOOP, Impl.MASKING, Impl.VARLEN, Impl.PALLAS_MASKING,
              Impl.PALLAS_VARLEN, Impl.AUTO)
-_OPS = {"gla": (GLA_IMPLS, GLA_ALGORITHMS), "sse": (SSE_IMPLS, SSE_ALGORITHMS)}
+GDN_IMPLS = GLA_IMPLS
+SSE_GDN_IMPLS = (Impl.SCAN, Impl.MASKING, Impl.VARLEN, Impl.PALLAS_MASKING,
+                 Impl.PALLAS_VARLEN, Impl.AUTO)
+_OPS = {"gla": (GLA_IMPLS, GLA_ALGORITHMS), "sse": (SSE_IMPLS, SSE_ALGORITHMS),
+        "gdn": (GDN_IMPLS, GDN_ALGORITHMS), "sse_gdn": (SSE_GDN_IMPLS, SSE_GDN_ALGORITHMS)}
+DELTA_OPS = ("gdn", "sse_gdn")
+
+
+def kernels_for(op: str):
+  """The Pallas kernel module of `op`: `chunk_gdn` for the delta-rule ops, else
+  `chunk_gla`."""
+  return gdn_kernels if op in DELTA_OPS else kernels
 
 
 PALLAS_MIN_CAPABILITY = (8, 0)  # Ampere on: the kernels do bf16 matmuls (Triton needs sm_80)
@@ -138,8 +154,8 @@ def resolve_auto(impl: Impl, op: str, head_dims: tuple[int, int] | None = None,
     return impl
   pallas = pallas_gpu()
   if pallas and head_dims is not None:
-    pallas = kernels.shape_error(chunk_size, *head_dims) is None
-  if op == "gla":
+    pallas = kernels_for(op).shape_error(chunk_size, *head_dims) is None
+  if op in ("gla", "gdn"):
     return Impl.PALLAS_CHUNK if pallas else Impl.CHUNK
   return Impl.PALLAS_VARLEN if pallas else Impl.VARLEN
 
@@ -168,12 +184,15 @@ def named(impl: Impl | str) -> Plan:
 
 def plan(impl, op: str, *, chunk_size: int,
          head_dims: tuple[int, int]) -> tuple[Plan, int]:
-  """`impl` (an `Impl` string, or a `Plan`) as a complete plan for `op` ("gla" or
-  "sse") at this chunk size and head dims (Dk, Dv): AUTO resolved, the Pallas fields
-  filled in, and everything checked here, with a one-line ValueError naming the value.
-  Returns the chunk size as an int too: (plan, chunk_size)."""
+  """`impl` (an `Impl` string, or a `Plan`) as a complete plan for `op` ("gla", "sse",
+  "gdn" or "sse_gdn") at this chunk size and head dims (Dk, Dv): AUTO resolved, the
+  Pallas fields filled in, and everything checked here, with a one-line ValueError
+  naming the value. Returns the chunk size as an int too: (plan, chunk_size). The
+  delta-rule ops' XLA core takes any positive chunk size (the op checks it), their
+  Pallas core the `chunk_gdn` kernels' sizes."""
   impls, algorithms = _OPS[op]
-  chunk_size = check_chunk_size(chunk_size)
+  pallas_kernels = kernels_for(op)
+  chunk_size = int(chunk_size) if op in DELTA_OPS else check_chunk_size(chunk_size)
   if isinstance(impl, Plan):
     resolved = impl
   else:
@@ -195,13 +214,17 @@ def plan(impl, op: str, *, chunk_size: int,
     case _, XlaCore():
       return resolved, chunk_size
     case _, PallasCore(block_sizes=block_sizes, interpret=interpret):
-      error = kernels.shape_error(chunk_size, *head_dims)
+      error = pallas_kernels.shape_error(chunk_size, *head_dims)
       if error:
         raise ValueError(f"{error} (impl={resolved.name!r})")
+      if block_sizes is not None and not isinstance(block_sizes,
+                                                    pallas_kernels.BlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r} is not a "
+                         f"{pallas_kernels.__name__}.BlockSizes, which {op} needs")
       if block_sizes is not None and block_sizes.chunk != chunk_size:
         raise ValueError(f"block_sizes.chunk={block_sizes.chunk} must equal "
                          f"chunk_size={chunk_size}")
-      core = PallasCore(block_sizes or kernels.BlockSizes(chunk=chunk_size),
+      core = PallasCore(block_sizes or pallas_kernels.BlockSizes(chunk=chunk_size),
                         kernels.default_interpret() if interpret is None else bool(interpret))
       return dataclasses.replace(resolved, core=core), chunk_size
     case algorithm, core:

@@ -25,29 +25,22 @@ import jax
 import jax.numpy as jnp
 
 from sse_jax.ops import checks
+from sse_jax.ops import impl as impl_lib
 # Names, not the module: the package binds `gdn` to the function.
 from sse_jax.ops.gdn import (DEFAULT_CHUNK, check_chunk_size, check_gates, check_inputs,
-                             chunked_gdn, delta_rule_step, gdn_scan, packed_chunk_gdn)
+                             chunked_gdn, core_fn, delta_rule_step, gdn_scan,
+                             packed_chunk_gdn, storage_dtype)
 from sse_jax.ops import reference
 from sse_jax.ops import sharding
 from sse_jax.ops.checks import Gate
+from sse_jax.ops.impl import Algorithm
 from sse_jax.ops.sse import Routing, make_routing, spread
 
-SSE_GDN_IMPLS = ("scan", "masking", "varlen", "auto")
+# The impl strings sse_gdn takes (`impl_lib.SSE_GDN_IMPLS`): "scan", "masking",
+# "varlen", "pallas_masking", "pallas_varlen", "auto"; a typed `impl_lib.Plan` of
+# algorithm SCAN, MASKING or VARLEN is taken too.
+SSE_GDN_IMPLS = tuple(i.value for i in impl_lib.SSE_GDN_IMPLS)
 SHARED_NAMES = ("shared q'", "shared k'", "shared g'", "shared beta'")
-
-
-def parse_impl(impl) -> str:
-  """sse_gdn's impl name: "scan" (the reference), "masking" or "varlen" ("auto": the
-  fastest available, varlen)."""
-  match getattr(impl, "value", impl):  # a string or an enum member with that value
-    case "scan" | "masking" as name:
-      return name
-    case "varlen" | "auto":
-      return "varlen"
-    case other:
-      raise ValueError(f"impl={other!r} is not available for sse_gdn; choose one of"
-                       f" {', '.join(map(repr, SSE_GDN_IMPLS))}")
 
 
 def sse_gdn_scan(q, k, v, g, beta, write_w, written, read_w, h0, cu_seqlens=None):
@@ -82,7 +75,7 @@ def _scan(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seqle
 
 
 def _masking(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seqlens,
-             chunk_size):
+             chunk_size, core):
   """Per-partition copies folded into the head axis, one chunked call.
 
   Where partition i is not written at t: g = 0 and beta = 0 (an identity step: no decay,
@@ -103,7 +96,7 @@ def _masking(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_se
   b, t, p, h = parts[3].shape
   fold = lambda x: x.reshape((b, t, p * h) + x.shape[4:])
   o, final = chunked_gdn(*map(fold, parts), h0.reshape((-1, p * h) + h0.shape[3:]),
-                                 cu_seqlens, chunk_size)
+                         cu_seqlens, chunk_size, core)
   o = o.reshape(b, t, p, h, -1).sum(axis=2)
   final = final.reshape((-1, p, h) + final.shape[2:])
   if shared is None:
@@ -135,7 +128,7 @@ def _routed_slots(q, k, v, g, beta, routing: Routing):
 
 
 def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seqlens,
-            chunk_size):
+            chunk_size, core):
   """Tokens gathered per (sequence, partition) segment, one packed chunked call."""
   b, t = q.shape[:2]
   seq = (jnp.repeat(jnp.arange(b), t) if cu_seqlens is None
@@ -161,7 +154,7 @@ def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seq
     seg = jnp.concatenate([seg, nseq * n + seq])
     h0_table = jnp.concatenate([h0_table, h0_shared])
   o_s, finals = packed_chunk_gdn(slots, seg, h0_table, chunk_size,
-                                         sorted_tail=0 if shared is None else b * t)
+                                 sorted_tail=0 if shared is None else b * t, core=core)
   routed = b * t * per_token
   o = o_s[:routed].reshape((b * t, per_token) + o_s.shape[1:]).sum(axis=1)
   final, final0 = finals[:nseq * n].reshape(h0.shape), None
@@ -261,12 +254,15 @@ def sse_gdn(q, k, v, g, beta, weights, indices, *, num_partitions, scale=None,
       (routed or None, shared [B | S, H, Dk, Dv] or None).
     output_final_state: also return the final state(s), shaped like initial_state.
     cu_seqlens: int32 [S + 1], packed sequences along T (B == 1), as in `gdn`.
-    impl: "varlen" (default), "masking", "auto" or "scan" (reference).
+    impl: "varlen" (default), "masking", their Pallas forms "pallas_varlen" and
+      "pallas_masking" (`pallas_kernels.chunk_gdn`; interpret mode off the GPU), "auto"
+      (pallas_varlen on a supported GPU, else varlen) or "scan" (reference); or an
+      `impl.Plan` of algorithm SCAN, MASKING or VARLEN.
     shared: optional (q', k', g', beta'): q', k' [B, T, H, Dk], g', beta' [B, T, H]; an
       always-on gated delta-rule partition sharing v, with weight 1.
     read_weights, read_indices: optional [B, T, Kr] read set (see `sse`); weights /
       indices are then the write set only. Default: the read set is the write set.
-    chunk_size: C, a positive int.
+    chunk_size: C, a positive int (16, 32 or 64 for the Pallas kernels).
   Returns:
     (o [B, T, H, Dv] in v's dtype, final_state or None); states in float32 (float64
     with float64 inputs). Empty inputs give zeros and the initial states.
@@ -277,9 +273,10 @@ def sse_gdn(q, k, v, g, beta, weights, indices, *, num_partitions, scale=None,
           ("indices", indices), ("cu_seqlens", cu_seqlens),
           ("read_weights", read_weights), ("read_indices", read_indices)))
   b, t, h, dk, dv = check_inputs(q, k, v, g, beta)
-  impl = parse_impl(impl)
-  gate = checks.parse_enum(Gate, gate, "gate")
   chunk_size = check_chunk_size(chunk_size)
+  plan, chunk_size = impl_lib.plan(impl, "sse_gdn", chunk_size=chunk_size,
+                                   head_dims=(dk, dv))
+  gate = checks.parse_enum(Gate, gate, "gate")
   checks.check_scale(scale)
   _check_routing_sets((weights, indices), (read_weights, read_indices), (b, t),
                       num_partitions)
@@ -307,27 +304,34 @@ def sse_gdn(q, k, v, g, beta, weights, indices, *, num_partitions, scale=None,
     return o, (h0 if shared is None else (h0, h0_shared))
   scale = dk ** -0.5 if scale is None else scale
   read = () if read_indices is None else (read_weights, read_indices)
+  qkv_dtype = storage_dtype(plan.core, (q.dtype, k.dtype, v.dtype) + tuple(
+      x.dtype for x in (shared or ())[:2]), dtype)
   return _sse_gdn(q, k, v, g, beta, weights, indices, read, h0, shared or (),
                   () if shared is None else h0_shared, scale, cu_seqlens,
-                  num_partitions=num_partitions, gate=gate, impl=impl,
-                  chunk_size=chunk_size, dtype=dtype,
+                  num_partitions=num_partitions, gate=gate, plan=plan,
+                  chunk_size=chunk_size, dtype=dtype, qkv_dtype=qkv_dtype,
                   output_final_state=output_final_state)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "num_partitions", "gate", "impl", "chunk_size", "dtype", "output_final_state"))
+    "num_partitions", "gate", "plan", "chunk_size", "dtype", "qkv_dtype",
+    "output_final_state"))
 def _sse_gdn(q, k, v, g, beta, weights, indices, read, h0, shared, h0_shared, scale,
-             cu_seqlens, *, num_partitions, gate, impl, chunk_size, dtype,
+             cu_seqlens, *, num_partitions, gate, plan, chunk_size, dtype, qkv_dtype,
              output_final_state):
-  """sse_gdn's computation on checked inputs (initial states in `dtype`); shared and
+  """sse_gdn's computation on checked inputs (initial states in `dtype`; q, k, v and
+  the shared q', k' in `qkv_dtype`, the chunk core's storage dtype); shared and
   h0_shared are () without the shared partition, read () when it is the write set."""
   b, h = q.shape[0], q.shape[2]
   with_shared = bool(shared)
   out_dtype = v.dtype
   cast = lambda xs: tuple(x.astype(dtype) for x in xs)
-  q, k, v, g, beta, weights = cast((q.astype(dtype) * scale, k, v, g, beta, weights))
+  store = lambda x: x.astype(qkv_dtype)
+  q, k, v = store(q.astype(dtype) * scale), store(k), store(v)
+  g, beta, weights = cast((g, beta, weights))
   if with_shared:
-    shared = cast((shared[0].astype(dtype) * scale,) + tuple(shared[1:]))
+    q0, k0, g0, b0 = shared
+    shared = (store(q0.astype(dtype) * scale), store(k0)) + cast((g0, b0))
   if read:
     read = (read[0].astype(dtype), read[1])
 
@@ -336,10 +340,16 @@ def _sse_gdn(q, k, v, g, beta, weights, indices, read, h0, shared, h0_shared, sc
     if not shared:  # () stands for "none" inside shard_map
       shared = h0_shared = None
     args = (q, k, v, g, beta, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
-    if impl == "scan":
-      o, final, final0 = _scan(*args)
-    else:
-      o, final, final0 = (_masking if impl == "masking" else _varlen)(*args, chunk_size)
+    chunked = lambda path: path(*args, chunk_size, core_fn(plan.core, qkv_dtype))
+    match plan.algorithm:
+      case Algorithm.SCAN:
+        o, final, final0 = _scan(*args)
+      case Algorithm.MASKING:
+        o, final, final0 = chunked(_masking)
+      case Algorithm.VARLEN:
+        o, final, final0 = chunked(_varlen)
+      case other:
+        raise ValueError(f"sse_gdn has no algorithm {other!r}")
     return o, final, (() if final0 is None else final0)  # no None leaves in shard_map
 
   inputs = (q, k, v, g, beta, weights, indices, read, h0, shared, h0_shared)

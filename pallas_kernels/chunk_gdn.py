@@ -1,0 +1,591 @@
+"""Chunkwise gated delta rule (Gated DeltaNet) forward and backward as Pallas (Triton)
+GPU kernels.
+
+The contract is `chunk_gla`'s (pallas_kernels/chunk_gla.py) with one log decay g and one
+write strength beta per head and token: inputs are whole chunks of C tokens grouped in
+*segments* (a sequence, or one (sequence, partition) of an SSE-GDN layer), each from its
+own initial state, padded by the caller to whole chunks (a row with g = beta = 0 and
+k = 0 is an identity). `reference` is the same function one token at a time:
+
+  S'_t = e^{g_t} S_{t-1},   S_t = S'_t + beta_t k_t^T (v_t - k_t S'_t),   o_t = q_t S_t
+
+(q already scaled). Per chunk, with G_t = sum_{u <= t} g_u (in-chunk cumulative log
+decay), S the state entering the chunk and D_ts = e^{G_t - G_s} for s <= t (else 0):
+
+  A = strict_tril(diag(beta) (K K^T) o D),   T = (I + A)^{-1}          (UT transform)
+  W = T diag(beta e^G) K,   U = T diag(beta) V                          (WY terms)
+  u = U - W S                   the values the delta rule actually writes
+  o = diag(e^G) Q S + (tril(Q K^T) o D) u
+  S_next = e^{G_C} S + (diag(e^{G_C - G}) K)^T u
+
+Kernels (grid; what each program does):
+  _prepare_kernel (NC, H)          G = cumsum(g), T by forward substitution (one row per
+                                   step, C steps of [C, C] vector work), W and U.
+  _states_kernel  (nV, H, Z)       walk a segment's chunks: the state entering each
+                                   chunk, u = U - W S, S_next; the final state. The
+                                   only sequential part (u depends on S).
+  _output_kernel  (NC, H, nV)      o.
+  _dstates_kernel (nV, H, Z)       the reverse walk: with dS the gradient of the state
+                                   after a chunk, du = P^T do + (e^{G_C - G} K) dS and
+                                   dS_prev = e^{G_C} dS + (e^G Q)^T do - W^T du, where
+                                   P = tril(Q K^T) o D; dh0 at each segment's start.
+  _grads_kernel   (NC, H)          dq, dk, dv, dbeta and dg of one chunk from S, dS,
+                                   u, du and T (below).
+
+Gradient bookkeeping of one chunk (dP = tril(do u^T), dW = -du S^T):
+  dq   = e^G (do S^T) + (dP o D) K
+  dk   = e^{G_C - G} (u dS^T) + (dP o D)^T Q + diag(beta e^G) T^T dW + (M + M^T) K
+  dv   = diag(beta) T^T du
+  dT   = dW (diag(beta e^G) K)^T + du (diag(beta) V)^T,   dA = -T^T dT T^T (strictly lower)
+  M    = dA o D o beta (row-scaled)
+  dbeta_t = (T^T du)_t . v_t + e^{G_t} (T^T dW)_t . k_t + sum_s dA_ts D_ts k_t . k_s
+  dG_t = q_t . dq_inter_t + rowsum(dP o P)_t - colsum(dP o P)_t - k_t . dk_end_t
+         + beta_t e^{G_t} (T^T dW)_t . k_t + rowsum(dA o A)_t - colsum(dA o A)_t
+         + [t = C-1] (sum_s k_s . dk_end_s + e^{G_C} sum(S o dS))
+  dg_u = sum_{t >= u} dG_t
+where dq_inter = e^G (do S^T) and dk_end = e^{G_C - G} (u dS^T). Every exponent is a
+difference G_t - G_s with s <= t, or G_C - G_s, or G_t: all <= 0, so nothing overflows
+(the decay is a scalar per head: no anchoring as in the GLA kernels is needed).
+
+Precision: q, k, v, W and U are stored in the storage dtype (bf16 for bf16 inputs,
+float64 for float64 inputs -- interpret mode, for the tests -- else fp32); G, T, the
+states and every accumulation are fp32 (float64 for float64). Products with T and the
+[C, C] score matrices use ~16-bit split operands for bf16 (`_exact_dot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import chunk_gla as gla
+
+HEAD_DIMS = (16, 32, 64, 128)  # the head dims Dk, Dv these kernels support
+CHUNKS = (16, 32, 64)  # the chunk lengths they support (T is [C, C], one row per step)
+
+
+def shape_error(chunk: int | None, dk: int, dv: int) -> str | None:
+  """Why the GDN kernels cannot take chunk length `chunk` (None: not checked) and head
+  dims (dk, dv), in one line naming the value; None when they can. The one place these
+  limits are checked."""
+  if chunk is not None and chunk not in CHUNKS:
+    return f"chunk_size={chunk!r}: the Pallas GDN kernels take chunk sizes {CHUNKS}"
+  for name, d in (("Dk", dk), ("Dv", dv)):
+    if d not in HEAD_DIMS:
+      return f"{name}={d!r}: the Pallas GDN kernels support head dims {HEAD_DIMS}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles and launch parameters; frozen (hashable): a static argument.
+
+  chunk: C, tokens per chunk. block_v: Dv columns per program of the walks and the
+  output kernel (Dk is always whole: u = U - W S contracts over it). num_warps,
+  num_stages: Triton launch settings.
+  """
+
+  chunk: int = 64
+  block_v: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.chunk not in CHUNKS:
+      raise ValueError(f"chunk={self.chunk} must be one of {CHUNKS}")
+    if self.block_v not in HEAD_DIMS:
+      raise ValueError(f"block_v={self.block_v} must be one of {HEAD_DIMS}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps={self.num_warps} must be a power of 2 <= 16")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+  def tile_v(self, dk: int, dv: int) -> int:
+    """block_v clipped to Dv; the chunk and head dims are checked here."""
+    error = shape_error(self.chunk, dk, dv)
+    if error:
+      raise ValueError(error)
+    return min(self.block_v, dv)
+
+
+# ----------------------------------------------------------------------------------
+# In-kernel helpers.
+
+
+def _acc(dtype) -> jnp.dtype:
+  """Accumulation dtype for operands in `dtype`: float64 for float64, else fp32."""
+  return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def _dot(a, b, contract, dtype):
+  """a . b over `contract`, operands cast to `dtype`, accumulated in _acc(dtype)
+  (IEEE products for fp32 / float64: Triton's default would be TF32)."""
+  prec = lax.Precision.DEFAULT if dtype == jnp.bfloat16 else lax.Precision.HIGHEST
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), (contract, ((), ())),
+                         preferred_element_type=_acc(dtype), precision=prec)
+
+
+def _exact_dot(a, b, contract, dtype):
+  """a . b for accumulator-precision a, b: bf16 hi + lo split products (~16 bits) where
+  the storage dtype is bf16 (`chunk_gla._dot_split`), else IEEE in _acc(dtype)."""
+  if dtype == jnp.bfloat16:
+    return gla._dot_split(a, b, contract, dtype)
+  return _dot(a, b, contract, _acc(dtype))
+
+
+_NN, _NT, _TN = gla._NN, gla._NT, gla._TN
+
+
+def _iotas(c):
+  """Row and column indices of a [C, C] block."""
+  return (lax.broadcasted_iota(jnp.int32, (c, c), 0),
+          lax.broadcasted_iota(jnp.int32, (c, c), 1))
+
+
+def _col(x):
+  return x.reshape(-1, 1)
+
+
+def _row(x):
+  return x.reshape(1, -1)
+
+
+def _decay(gc, lower):
+  """D [C, C]: e^{G_t - G_s} where lower(t, s) (row t, column s), else 0; the exponent
+  is masked before `exp`, so it is never evaluated above 0."""
+  rows, cols = _iotas(gc.shape[0])
+  mask = lower(rows, cols)
+  return jnp.where(mask, jnp.exp(jnp.where(mask, _col(gc) - _row(gc), 0.0)), 0.0)
+
+
+def _last(gc):
+  """G_C: the last element of the in-chunk sums [C], as a scalar (a masked sum:
+  Triton cannot index a value)."""
+  pos = lax.broadcasted_iota(jnp.int32, gc.shape, 0)
+  return jnp.sum(jnp.where(pos == gc.shape[0] - 1, gc, 0.0))
+
+
+def _scores(q, k, gc, dtype):
+  """P = tril(Q K^T) o D [C, C] (diagonal included)."""
+  return _decay(gc, lambda t, s: s <= t) * _dot(q, k, _NT, dtype)
+
+
+def _strict_a(k, gc, beta, dtype):
+  """A = strict_tril(diag(beta) (K K^T) o D) [C, C]."""
+  return _col(beta) * _decay(gc, lambda t, s: s < t) * _dot(k, k, _NT, dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Forward kernels.
+
+
+def _prepare_kernel(k_ref, v_ref, g_ref, beta_ref, gc_ref, t_ref, w_ref, u_ref, *, dtype):
+  """One (chunk, head): G = cumsum(g) [C], T = (I + A)^{-1} [C, C], W [C, Dk] and
+  U [C, Dv] (module docstring).
+
+  T by forward substitution: starting from I, row i becomes e_i - sum_{j < i} A_ij T_j
+  (rows j < i are final by then; A_ij = 0 for j >= i). Column i of A^T is row i of A
+  as a column, read by a masked sum (Triton cannot slice a value).
+  """
+  acc = _acc(dtype)
+  k = k_ref[...].astype(acc)
+  beta = beta_ref[...].astype(acc)
+  gc = jnp.cumsum(g_ref[...].astype(acc), axis=0)
+  gc_ref[...] = gc
+  c = gc.shape[0]
+  rows, cols = _iotas(c)
+  # A^T[r, c] = A[c, r] = beta_c e^{G_c - G_r} k_c . k_r for r < c.
+  upper = rows < cols
+  a_t = jnp.where(upper, _row(beta) * jnp.exp(jnp.where(upper, _row(gc) - _col(gc), 0.0)),
+                  0.0) * _dot(k, k, _NT, dtype)
+  eye = (rows == cols).astype(acc)
+
+  def substitute(i, inv):
+    a_i = jnp.sum(jnp.where(cols == i, a_t, 0.0), axis=1, keepdims=True)       # [C, 1]
+    new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(a_i * inv, axis=0, keepdims=True)
+    return jnp.where(rows == i, new, inv)
+
+  inv = lax.fori_loop(1, c, substitute, eye)
+  t_ref[...] = inv.astype(t_ref.dtype)
+  w_ref[...] = _exact_dot(inv, k * _col(beta * jnp.exp(gc)), _NN, dtype).astype(w_ref.dtype)
+  u_ref[...] = _exact_dot(inv, v_ref[...].astype(acc) * _col(beta), _NN,
+                          dtype).astype(u_ref.dtype)
+
+
+def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref, h_ref,
+                   u_ref, last_ref, *, dtype):
+  """Walks segment program_id(2)'s chunks: h_ref[c] = S (the state entering chunk c),
+  u_ref[c] = U_c - W_c S, then S = e^{G_C} S + (e^{G_C - G} K)^T u.
+
+  k_ref, w_ref [NC, C, Dk]; uu_ref (U) and u_ref [NC, C, BV]; gc_ref [NC, C];
+  h_ref [NC, Dk, BV]; init_ref, last_ref [Dk, BV].
+  """
+  seg = pl.program_id(2)
+  acc = _acc(dtype)
+
+  def load(c):
+    return k_ref[c], w_ref[c], uu_ref[c], gc_ref[c]
+
+  def step(c, loaded, s):
+    k, w, uu, gc = loaded
+    h_ref[c] = s.astype(h_ref.dtype)
+    u = uu.astype(acc) - _dot(w, s, _NN, dtype)
+    u_ref[c] = u.astype(u_ref.dtype)
+    gl = _last(gc.astype(acc))
+    k_end = k.astype(acc) * _col(jnp.exp(gl - gc.astype(acc)))
+    return jnp.exp(gl) * s + _dot(k_end, u, _TN, dtype)
+
+  last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], h_ref.shape[0], False, load,
+                            step, init_ref[...].astype(acc)).astype(last_ref.dtype)
+
+
+def _output_kernel(valid_ref, q_ref, k_ref, gc_ref, h_ref, u_ref, o_ref, *, dtype):
+  """o [C, BV] = e^G (Q S) + P u for one (chunk, head, Dv block); zero in a chunk of
+  no segment. q, k [C, Dk]; gc [C]; h (entering the chunk) [Dk, BV]; u [C, BV]."""
+  acc = _acc(dtype)
+  valid = valid_ref[pl.program_id(0)] > 0
+  gc = gc_ref[...].astype(acc)
+  q = q_ref[...]
+  out = (_col(jnp.exp(gc)) * _dot(q, h_ref[...], _NN, dtype)
+         + _dot(_scores(q, k_ref[...], gc, dtype), u_ref[...], _NN, dtype))
+  o_ref[...] = jnp.where(valid, out, 0.0).astype(o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Backward kernels.
+
+
+def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, init_ref,
+                    dh_ref, du_ref, last_ref, *, dtype):
+  """The reverse walk of segment program_id(2): dh_ref[c] = dS (the gradient of the
+  state after chunk c), du_ref[c] = P^T do + (e^{G_C - G} K) dS, then
+  dS = e^{G_C} dS + (e^G Q)^T do - W^T du; last_ref: the gradient of the segment's
+  initial state. q, k, w [NC, C, Dk]; gc [NC, C]; do, du [NC, C, BV];
+  dh [NC, Dk, BV]; init (the final state's cotangent), last [Dk, BV]."""
+  seg = pl.program_id(2)
+  acc = _acc(dtype)
+
+  def load(c):
+    return q_ref[c], k_ref[c], w_ref[c], gc_ref[c], do_ref[c]
+
+  def step(c, loaded, ds):
+    q, k, w, gc, do = loaded
+    gc = gc.astype(acc)
+    dh_ref[c] = ds.astype(dh_ref.dtype)
+    gl = _last(gc)
+    k_end = k.astype(acc) * _col(jnp.exp(gl - gc))
+    du = (_dot(_scores(q, k, gc, dtype), do, _TN, dtype)
+          + _dot(k_end, ds, _NN, dtype))
+    du_ref[c] = du.astype(du_ref.dtype)
+    q_dec = q.astype(acc) * _col(jnp.exp(gc))
+    return (jnp.exp(gl) * ds + _dot(q_dec, do, _TN, dtype)
+            - _dot(w, du, _TN, dtype))
+
+  last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], dh_ref.shape[0], True, load,
+                            step, init_ref[...].astype(acc)).astype(last_ref.dtype)
+
+
+def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
+                  dh_ref, do_ref, du_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
+                  dtype):
+  """dq, dk [C, Dk], dv [C, Dv], dbeta and dg [C] of one (chunk, head), from the state
+  entering it (h), the gradient of the state after it (dh), u, du and T (module
+  docstring); zero in a chunk of no segment."""
+  acc = _acc(dtype)
+  valid = valid_ref[pl.program_id(0)] > 0
+  q, k, v = q_ref[...], k_ref[...], v_ref[...]
+  qf, kf, vf = q.astype(acc), k.astype(acc), v.astype(acc)
+  gc, beta = gc_ref[...].astype(acc), beta_ref[...].astype(acc)
+  inv = t_ref[...].astype(acc)
+  u, do, du = u_ref[...], do_ref[...], du_ref[...].astype(acc)
+  h, dh = h_ref[...], dh_ref[...]
+  c = gc.shape[0]
+  gl = _last(gc)
+  e_g, e_end = jnp.exp(gc), jnp.exp(gl - gc)
+
+  # The output's terms: o = e^G (Q S) + P u.
+  p_decay = _decay(gc, lambda t, s: s <= t)
+  p = p_decay * _dot(q, k, _NT, dtype)
+  dp = p_decay * _dot(do, u, _NT, dtype)                                # dP o D
+  dq_inter = _col(e_g) * _dot(do, h, _NT, dtype)
+  dq = dq_inter + _exact_dot(dp, kf, _NN, dtype)
+  # The state update's terms: S_next = e^{G_C} S + (e^{G_C - G} K)^T u.
+  dk_end = _col(e_end) * _dot(u, dh, _NT, dtype)
+  dk = dk_end + _exact_dot(dp, qf, _TN, dtype)
+  dpp = dp * _dot(q, k, _NT, dtype)                                     # dP o P
+  # The WY terms: u = U - W S, W = T Kb, U = T Vb.
+  dw = -_dot(du, h, _NT, dtype)
+  dkb = _exact_dot(inv, dw, _TN, dtype)                                 # T^T dW
+  dvb = _exact_dot(inv, du, _TN, dtype)                                 # T^T dU
+  kb = kf * _col(beta * e_g)
+  d_t = _exact_dot(dw, kb, _NT, dtype) + _exact_dot(du, vf * _col(beta), _NT, dtype)
+  rows, cols = _iotas(c)
+  d_a = jnp.where(cols < rows,
+                  -_exact_dot(_exact_dot(inv, d_t, _TN, dtype), inv, _NT, dtype), 0.0)
+  a_decay = _decay(gc, lambda t, s: s < t)
+  kk = _dot(k, k, _NT, dtype)
+  m = d_a * a_decay * _col(beta)                                        # dA o D o beta
+  dk = dk + _col(beta * e_g) * dkb + _exact_dot(m, kf, _NN, dtype) + _exact_dot(
+      m, kf, _TN, dtype)
+  dv = _col(beta) * dvb
+  kb_dot = jnp.sum(dkb * kf, axis=1)                                    # (T^T dW)_t . k_t
+  daa = m * kk                                                          # dA o A
+  dbeta = jnp.sum(dvb * vf, axis=1) + e_g * kb_dot + jnp.sum(d_a * a_decay * kk, axis=1)
+  dgc = (jnp.sum(qf * dq_inter, axis=1) + jnp.sum(dpp, axis=1) - jnp.sum(dpp, axis=0)
+         - jnp.sum(kf * dk_end, axis=1) + beta * e_g * kb_dot
+         + jnp.sum(daa, axis=1) - jnp.sum(daa, axis=0))
+  pos = lax.broadcasted_iota(jnp.int32, (c,), 0)
+  hf = h.astype(acc)
+  end_share = jnp.sum(kf * dk_end) + jnp.exp(gl) * jnp.sum(hf * dh.astype(acc))
+  dgc = dgc + jnp.where(pos == c - 1, end_share, 0.0)
+  dg = jnp.sum(dgc) - jnp.cumsum(dgc, axis=0) + dgc                     # suffix sums
+  dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
+  dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
+  dv_ref[...] = jnp.where(valid, dv, 0.0).astype(dv_ref.dtype)
+  dbeta_ref[...] = jnp.where(valid, dbeta, 0.0).astype(dbeta_ref.dtype)
+  dg_ref[...] = jnp.where(valid, dg, 0.0).astype(dg_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# pallas_call wrappers. Arrays: q, k [NC, C, H, Dk]; v [NC, C, H, Dv]; g, beta, G
+# [NC, C, H]; T [NC, H, C, C]; states [NC | Z, H, Dk, Dv]; tables int32 [Z] / [NC].
+
+
+def _call(kernel, name, bs, interpret, **kw):
+  return pl.pallas_call(kernel, compiler_params=gla._params(bs), interpret=interpret,
+                        name=name, **kw)
+
+
+def _prepare(k, v, g, beta, bs, interpret):
+  """(G [NC, C, H], T [NC, H, C, C], W like k, U like v)."""
+  nc, c, h, dk = k.shape
+  dv = v.shape[-1]
+  acc = _acc(k.dtype)
+  spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
+  gate = pl.BlockSpec((None, c, None), lambda n, hh: (n, 0, hh))
+  return _call(
+      functools.partial(_prepare_kernel, dtype=k.dtype), "gdn_prepare", bs, interpret,
+      grid=(nc, h), in_specs=[spec(dk), spec(dv), gate, gate],
+      out_specs=[gate, pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
+                 spec(dk), spec(dv)],
+      out_shape=[jax.ShapeDtypeStruct(g.shape, acc),
+                 jax.ShapeDtypeStruct((nc, h, c, c), acc),
+                 jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+  )(k, v, g, beta)
+
+
+def _walk_specs(nc, c, dk, bv):
+  """For walk grids (Dv tile, head, segment): specs of a segment's [Dk, BV] state
+  tile, the per-chunk states [NC, Dk, BV], whole key-side [NC, C, Dk] and value-side
+  [NC, C, BV] inputs, and the gates [NC, C]."""
+  state = pl.BlockSpec((None, None, dk, bv), lambda j, hh, s: (s, hh, 0, j))
+  per_chunk = pl.BlockSpec((nc, None, dk, bv), lambda j, hh, s: (0, hh, 0, j))
+  keys = pl.BlockSpec((nc, c, None, dk), lambda j, hh, s: (0, 0, hh, 0))
+  values = pl.BlockSpec((nc, c, None, bv), lambda j, hh, s: (0, 0, hh, j))
+  gates = pl.BlockSpec((nc, c, None), lambda j, hh, s: (0, 0, hh))
+  return state, per_chunk, keys, values, gates
+
+
+def _walk_longest_first(call, start, count, init, *arrays):
+  """call(start', count', *arrays, init') with the segment table reordered longest
+  segment first (the walk grid's slowest axis is the segment: the longest, the op's
+  critical path, start first; `chunk_gla._longest_first`), the last output (one state
+  per segment) permuted back to segment order."""
+  order = jnp.argsort(-count, stable=True).astype(jnp.int32)
+  *per_chunk, last = call(start[order], count[order], *arrays, init[order])
+  return (*per_chunk, jnp.zeros_like(last).at[order].set(last))
+
+
+def _states(k, w, uu, gc, h0, start, count, bs, interpret):
+  """(state entering each chunk [NC, H, Dk, Dv], u like U, final state per segment)."""
+  nc, c, h, dk = k.shape
+  dv = uu.shape[-1]
+  z = h0.shape[0]
+  bv = bs.tile_v(dk, dv)
+  state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
+  whole = gla._whole(z)
+  call = _call(
+      functools.partial(_states_kernel, dtype=k.dtype), "gdn_states", bs, interpret,
+      grid=(dv // bv, h, z), in_specs=[whole, whole, keys, keys, values, gates, state],
+      out_specs=[per_chunk, values, state],
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), _acc(k.dtype)),
+                 jax.ShapeDtypeStruct(uu.shape, uu.dtype),
+                 jax.ShapeDtypeStruct(h0.shape, h0.dtype)])
+  return _walk_longest_first(call, start, count, h0, k, w, uu, gc)
+
+
+def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
+  nc, c, h, dk = q.shape
+  dv = u.shape[-1]
+  bv = bs.tile_v(dk, dv)
+  keys = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
+  values = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  return _call(
+      functools.partial(_output_kernel, dtype=q.dtype), "gdn_outputs", bs, interpret,
+      grid=(nc, h, dv // bv),
+      in_specs=[gla._whole(nc), keys, keys,
+                pl.BlockSpec((None, c, None), lambda n, hh, j: (n, 0, hh)),
+                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)), values],
+      out_specs=values, out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
+  )(valid, q, k, gc, h_start, u)
+
+
+def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
+  """(gradient of the state after each chunk [NC, H, Dk, Dv], du [NC, C, H, Dv] fp32,
+  gradient of each segment's initial state)."""
+  nc, c, h, dk = q.shape
+  dv = do.shape[-1]
+  z = dfinal.shape[0]
+  bv = bs.tile_v(dk, dv)
+  state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
+  whole = gla._whole(z)
+  acc = _acc(q.dtype)
+  call = _call(
+      functools.partial(_dstates_kernel, dtype=q.dtype), "gdn_dstates", bs, interpret,
+      grid=(dv // bv, h, z),
+      in_specs=[whole, whole, keys, keys, keys, gates, values, state],
+      out_specs=[per_chunk, values, state],
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), acc),
+                 jax.ShapeDtypeStruct(do.shape, acc),
+                 jax.ShapeDtypeStruct(dfinal.shape, acc)])
+  return _walk_longest_first(call, start, count, dfinal, q, k, w, gc, do)
+
+
+def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret):
+  """(dq, dk, dv, dbeta, dg) in the accumulation dtype (see _grads_kernel)."""
+  nc, c, h, dk = q.shape
+  dv = v.shape[-1]
+  acc = _acc(q.dtype)
+  spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
+  gate = pl.BlockSpec((None, c, None), lambda n, hh: (n, 0, hh))
+  state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, acc)
+  return _call(
+      functools.partial(_grads_kernel, dtype=q.dtype), "gdn_grads", bs, interpret,
+      grid=(nc, h),
+      in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate,
+                pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
+                spec(dv), state, state, spec(dv), spec(dv)],
+      out_specs=[spec(dk), spec(dk), spec(dv), gate, gate],
+      out_shape=[shape(q), shape(k), shape(v), shape(gc), shape(gc)],
+  )(valid, q, k, v, gc, beta, inv, u, h_start, dh, do, du)
+
+
+# ----------------------------------------------------------------------------------
+# custom_vjp core over (q, k, v, g, beta, h0) with static tables.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _core(q, k, v, g, beta, h0, start, count, bs, interpret):
+  return _core_fwd(q, k, v, g, beta, h0, start, count, bs, interpret)[0]
+
+
+def _core_fwd(q, k, v, g, beta, h0, start, count, bs, interpret):
+  valid = gla._valid_chunks(start, count, q.shape[0])
+  gc, inv, w, uu = _prepare(k, v, g, beta, bs, interpret)
+  h_start, u, final = _states(k, w, uu, gc, h0, start, count, bs, interpret)
+  o = _outputs(q, k, gc, h_start, u, valid, bs, interpret)
+  return (o, final), (q, k, v, beta, gc, inv, w, u, h_start, h0, start, count)
+
+
+def _core_bwd(bs, interpret, res, cot):
+  q, k, v, beta, gc, inv, w, u, h_start, h0, start, count = res
+  do, dfinal = cot
+  valid = gla._valid_chunks(start, count, q.shape[0])
+  do = do.astype(v.dtype)
+  dh, du, dh0 = _dstates(q, k, w, gc, do, dfinal.astype(h0.dtype), start, count, bs,
+                         interpret)
+  dq, dk, dv, dbeta, dg = _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid,
+                                 bs, interpret)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg,
+          dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def storage_dtype_for(dtype) -> jnp.dtype:
+  """bf16 inputs stay bf16 (bf16 matmuls, fp32 accumulation), float64 stays float64
+  (interpret mode: the tests), others run fp32 (float16's range overflows)."""
+  dtype = jnp.dtype(dtype)
+  return dtype if dtype in (jnp.bfloat16, jnp.float64) else jnp.dtype(jnp.float32)
+
+
+def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks, *, block_sizes=None,
+              interpret=None, storage_dtype=None):
+  """The chunked gated delta rule over pre-chunked inputs organised in segments.
+
+  Args:
+    q, k: [B, NC, C, H, Dk] (q already scaled); v: [B, NC, C, H, Dv]; g, beta:
+      [B, NC, C, H]. q, k, v are cast to `storage_dtype` (default
+      `storage_dtype_for(q.dtype)`), the matmul operands; g and beta run in the
+      accumulation dtype (fp32, float64 for float64 storage). g is a finite log decay
+      <= 0 (a -inf reset must be raised to a large negative value first); beta the
+      write strength. A row with g = beta = 0 and k = 0 is an identity (padding).
+    h0: [Z, H, Dk, Dv] initial state of each segment.
+    seg_start, seg_chunks: int [Z]; segment z occupies the flattened chunks
+      b * NC + c in [seg_start, seg_start + seg_chunks), never crossing a batch row.
+    block_sizes (static): `BlockSizes`; default BlockSizes(chunk=C).
+    interpret (static): Pallas interpret mode; default: off a GPU
+      (`chunk_gla.default_interpret`).
+  Returns:
+    o [B, NC, C, H, Dv] in v's dtype (zero in chunks of no segment) and the final state
+    of each segment [Z, H, Dk, Dv] in the accumulation dtype (an empty segment keeps
+    h0).
+  """
+  bsz, nc, c, h, dk = q.shape
+  block_sizes = block_sizes or BlockSizes(chunk=c)
+  if c != block_sizes.chunk:
+    raise ValueError(f"chunk length {c} != block_sizes.chunk={block_sizes.chunk}")
+  block_sizes.tile_v(dk, v.shape[-1])
+  interpret = gla.default_interpret() if interpret is None else interpret
+  dtype = jnp.dtype(storage_dtype or storage_dtype_for(q.dtype))
+  acc = _acc(dtype)
+  flat = lambda x: x.reshape((bsz * nc,) + x.shape[2:])
+  q, k, v = (flat(x).astype(dtype) for x in (q, k, v))
+  o, final = _core(q, k, v, flat(g).astype(acc), flat(beta).astype(acc), h0.astype(acc),
+                   seg_start.astype(jnp.int32), seg_chunks.astype(jnp.int32),
+                   block_sizes, interpret)
+  return o.reshape((bsz, nc) + o.shape[1:]), final
+
+
+def reference(q, k, v, g, beta, h0, seg_start, seg_chunks):
+  """What `chunk_gdn` computes, one token at a time (for the tests; any float dtype).
+
+  Same arguments and results. Row by row over the flattened B * NC * C tokens:
+  S = h0[z] at the first row of segment z, then S' = e^g S,
+  S = S' + beta k^T (v - k S'), o = q S; rows of no segment give o = 0 and leave every
+  state alone.
+  """
+  c, dv = q.shape[2], v.shape[-1]
+  rows = lambda x: x.reshape((-1,) + x.shape[3:])                # [B NC C, H, ...]
+  chunk = jnp.arange(q.shape[0] * q.shape[1])
+  inside = ((chunk[:, None] >= seg_start[None]) &
+            (chunk[:, None] < (seg_start + seg_chunks)[None]))      # [B NC, Z]
+  z = h0.shape[0]
+  owner = jnp.where(inside.any(1), jnp.argmax(inside, 1), z)      # Z: no segment
+  starts = (owner < z) & (chunk == seg_start[jnp.minimum(owner, z - 1)])
+  seg = jnp.repeat(owner, c)
+  first = jnp.repeat(starts, c) & (jnp.arange(seg.shape[0]) % c == 0)
+
+  def step(carry, x):
+    s, finals = carry
+    qt, kt, vt, gt, bt, zt, start = x
+    s = jnp.where(start, h0[jnp.minimum(zt, z - 1)], s)
+    s = jnp.exp(gt)[:, None, None] * s
+    recalled = jnp.einsum("hk,hkv->hv", kt, s)
+    s = s + kt[..., None] * (bt[:, None] * (vt - recalled))[:, None, :]
+    finals = finals.at[zt].set(s, mode="drop")
+    o = jnp.where(zt < z, jnp.einsum("hk,hkv->hv", qt, s), 0)
+    return (s, finals), o
+
+  init = (jnp.zeros(h0.shape[1:], h0.dtype), h0)
+  (_, finals), o = lax.scan(step, init, (rows(q), rows(k), rows(v), rows(g), rows(beta),
+                                         seg, first))
+  return o.reshape(q.shape[:-1] + (dv,)).astype(v.dtype), finals
