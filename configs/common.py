@@ -27,12 +27,14 @@ these functions. An experiment config is an `ml_collections.ConfigDict` with:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ml_collections
 
 from pallas_kernels import chunk_gla
 from sse_jax import train as train_lib
+from sse_jax.ops import impl as impl_lib
 
 VARIANTS = ("gpu", "cpu")
 
@@ -68,13 +70,17 @@ def sse_mixer(s, **overrides) -> dict[str, Any]:
 
 
 def gla_mixer(s, **overrides) -> dict[str, Any]:
-  """GLA layer fields like `sse_mixer`'s; a Pallas impl falls back to the XLA chunked op
-  for a key dim the kernels do not take (GLA controls below 16)."""
+  """GLA layer fields like `sse_mixer`'s; a Pallas impl falls back to its algorithm on
+  the XLA core for a key dim the kernels do not take (GLA controls below 16)."""
   fields = dict(short_conv=4, key_dim=s.key_dim, chunk_size=s.chunk_size, impl=s.gla_impl)
   fields.update(overrides)
-  if (str(fields["impl"]).startswith("pallas") and fields["key_dim"] is not None
-      and fields["key_dim"] not in chunk_gla.HEAD_DIMS):
-    fields["impl"] = "chunk"
+  impl, dk = fields["impl"], fields["key_dim"]
+  if impl == impl_lib.Impl.AUTO.value or dk is None:  # auto picks XLA there by itself
+    return fields
+  plan = impl_lib.named(impl)
+  # The key dim alone (as Dk and Dv): the value dim, hidden / heads, is one they take.
+  if isinstance(plan.core, impl_lib.PallasCore) and chunk_gla.shape_error(None, dk, dk):
+    fields["impl"] = dataclasses.replace(plan, core=impl_lib.XlaCore()).name
   return fields
 
 

@@ -5,8 +5,10 @@ import importlib
 import json
 import pathlib
 
+import ml_collections
 import pytest
 
+from configs import common
 from experiments import plots
 from experiments import report
 from experiments import sweep
@@ -70,3 +72,16 @@ def test_one_training_step_end_to_end(name, tmp_path):
   assert all(f"| {j.run} |" in table for j in picked), table
   assert len((out / "results.csv").read_text().strip().splitlines()) == 3
   assert (out / "fig.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("impl, key_dim, want", [
+    ("pallas_chunk", 8, "chunk"),          # Dk = 8: the kernels take 16 and up
+    ("pallas_chunk", 16, "pallas_chunk"),
+    ("pallas_chunk", None, "pallas_chunk"),
+    ("chunk", 8, "chunk"),
+    ("scan", 8, "scan"),
+    ("auto", 8, "auto"),                   # resolves (and falls back) by itself
+])
+def test_gla_mixer_drops_pallas_for_a_key_dim_the_kernels_do_not_take(impl, key_dim, want):
+  settings = ml_collections.ConfigDict(dict(key_dim=key_dim, chunk_size=16, gla_impl=impl))
+  assert common.gla_mixer(settings)["impl"] == want

@@ -159,9 +159,18 @@ def test_out_of_range_token_ids_are_named():
 
 
 def test_pallas_limits_are_checked_with_the_config():
-  from sse_jax.layers import SSEConfig  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match=r"chunk_size=48 must be one of \(16, 32, 64, 128\)"):
+  from sse_jax.layers import GLAConfig, SSEConfig  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"^SSEConfig.impl='pallas_varlen' cannot take "
+                     r"chunk_size=48: the Pallas kernels take chunk sizes \(16, 32, 64, 128\)"):
     SSEConfig(32, 2, chunk_size=48, impl="pallas_varlen")
-  with pytest.raises(ValueError, match="key dim=12 must be one of"):
+  with pytest.raises(ValueError, match=r"^SSEConfig.impl='pallas_masking' cannot take "
+                     r"Dk=12: the Pallas kernels support head dims"):
     SSEConfig(24, 2, chunk_size=16, impl="pallas_masking")
+  with pytest.raises(ValueError, match="^GLAConfig.impl='pallas_chunk' cannot take Dv=8"):
+    GLAConfig(32, 2, value_dim=8, chunk_size=16, impl="pallas_chunk")
+  with pytest.raises(ValueError, match="^GLAConfig.chunk_size=24 must be a positive "
+                     "multiple of 16"):
+    GLAConfig(32, 2, chunk_size=24)
   SSEConfig(32, 2, chunk_size=16, impl="pallas_varlen")  # head dim 16: fine
+  SSEConfig(24, 2, chunk_size=48, impl="auto")  # falls back to XLA by itself
+  SSEConfig(24, 2, chunk_size=48, impl="masking")

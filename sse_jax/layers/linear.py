@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import chunk_gla as gla_kernels
 from sse_jax.layers import validation as check
 from sse_jax.layers.router import load_balance
 from sse_jax.layers.features import ACTIVATIONS
@@ -23,6 +24,8 @@ from sse_jax.layers.params import Einsum
 from sse_jax.layers import sequences
 from sse_jax.layers import short_conv
 from sse_jax.layers.short_conv import ShortConv
+from sse_jax.ops import checks
+from sse_jax.ops import impl as impl_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +42,9 @@ class LinearAttentionConfig:
   short_conv: width w of the causal depthwise conv + SiLU on the q/k/v projections;
     0 = off (the paper), 4 in the official code.
   output_gate: y = (RMSNorm(o) * silu(x W_gate)) W_o if True, else RMSNorm(o) W_o.
-  impl: the `sse_jax.ops` implementation (the SSE's per-partition path maps it to a
-    GLA impl, see `sse.SSEConfig`); a Pallas impl also needs chunk_size and the head
-    dims to be ones the kernels support (checked here).
+  impl: the `sse_jax.ops` implementation (`allowed_impls`); a Pallas one also needs
+    chunk_size and the head dims to be ones the kernels take (`pallas_error`, checked
+    here; "auto" falls back to XLA where they do not).
   chunk_size: chunk length C of the chunked ops (a multiple of 16).
   norm_eps: epsilon of the per-head output RMSNorm.
   """
@@ -89,17 +92,28 @@ class LinearAttentionConfig:
     check.nonnegative_int(name, "short_conv", self.short_conv)
     check.boolean(name, "output_gate", self.output_gate)
     check.choice(name, "impl", self.impl, self.allowed_impls())
-    check.chunk_size(name, self.chunk_size)
-    if str(self.impl).startswith("pallas"):
-      from pallas_kernels import chunk_gla as pallas_chunk_gla  # pylint: disable=g-import-not-at-top
-      if self.chunk_size not in pallas_chunk_gla.CHUNKS:
-        check.fail(name, "chunk_size", self.chunk_size,
-                   f"must be one of {pallas_chunk_gla.CHUNKS} for impl={self.impl!r}")
-      for field, d in (("key dim", self.head_k), ("value dim", self.head_v)):
-        if d not in pallas_chunk_gla.HEAD_DIMS:
-          check.fail(name, field, d, f"must be one of {pallas_chunk_gla.HEAD_DIMS} for "
-                     f"impl={self.impl!r}")
+    try:
+      impl_lib.check_chunk_size(self.chunk_size)
+    except ValueError as e:
+      raise ValueError(f"{name}.{e}") from None
+    error = self.pallas_error()
+    if error:
+      check.fail(name, "impl", self.impl, f"cannot take {error}")
     check.positive_float(name, "norm_eps", self.norm_eps)
+
+  def pallas_error(self) -> str | None:
+    """Why the Pallas kernels cannot run this mixer's impl at its chunk size and head
+    dims (one line naming the value), or None: fine, or an XLA impl, or "auto" (which
+    checks the same when it resolves, and picks XLA instead). These are the GLA
+    kernels' limits; a mixer on other kernels overrides this with theirs."""
+    impl = checks.parse_enum(impl_lib.Impl, self.impl, "impl")
+    if impl is impl_lib.Impl.AUTO:
+      return None
+    match impl_lib.named(impl).core:
+      case impl_lib.PallasCore():
+        return gla_kernels.shape_error(self.chunk_size, self.head_k, self.head_v)
+      case _:
+        return None
 
 
 class RecurrentCache(NamedTuple):

@@ -47,9 +47,3 @@ def choice(owner: str, field: str, value: Any, choices: Iterable[Any]) -> None:
 def divides(owner: str, field: str, value: int, divisor_field: str, divisor: int) -> None:
   if value % divisor:
     fail(owner, field, value, f"is not divisible by {divisor_field}={divisor}")
-
-
-def chunk_size(owner: str, value: Any, multiple: int = 16) -> None:
-  """The ops' chunk length: a positive multiple of their sub-chunk length."""
-  if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
-    fail(owner, "chunk_size", value, f"must be a positive multiple of {multiple}")
