@@ -72,7 +72,7 @@ def _datasets(config):
   return train, evals, tests
 
 
-def _fresh_host() -> dict[str, Any]:
+def fresh_host() -> dict[str, Any]:
   """Host-side accumulators; checkpointed so that a resumed run logs the same numbers."""
   return {"log_sums": {}, "log_count": 0, "eval_loss_sum": 0.0, "eval_count": 0}
 
@@ -109,7 +109,7 @@ class Run:
     if step is None:
       step = self.checkpoints.latest_step()
     if step is None:
-      self.state, self.host, self.step = self.program.init(), _fresh_host(), 0
+      self.state, self.host, self.step = self.program.init(), fresh_host(), 0
     else:
       meta = self.checkpoints.read_meta(step)
       self.checkpoints.check(step, meta, self.fingerprint)
@@ -357,6 +357,38 @@ def write_summary(run: Run, summary: dict[str, Any]) -> None:
       json.dump(summary, f, indent=2)
 
 
+def _new_run(config, workdir: str) -> Run:
+  """A Run of one config in a checked, writable workdir, its program built."""
+  config = _as_config(config)
+  config_lib.validate(config)
+  prepare_workdir(workdir)
+  return Run(config, workdir, program_lib.build(config))
+
+
+def write_initial_checkpoint(config, workdir: str,
+                             transform: Callable[[Any, program_lib.Program], Any]) -> None:
+  """Saves step 0 of a run whose parameters do not start from its own init (e.g. a
+  converted model): the init's state (step 0, fresh optimizer moments, rng) with params
+  = transform(host copy of the init's params, program), the data iterator at its start
+  and fresh accumulators. `train_and_evaluate` / `train_stacked` then resume from it like
+  from any checkpoint (metrics.jsonl, the schedule and the data stream start at step 0).
+  ValueError if the workdir has a checkpoint already."""
+  run = _new_run(config, workdir)
+  program = run.program
+  try:
+    if run.checkpoints.latest_step() is not None:
+      raise ValueError(f"{workdir} has checkpoints already (step "
+                       f"{run.checkpoints.latest_step()}): it would not start from step 0")
+    with jax.set_mesh(program.mesh):
+      state = program.init()
+      params = transform(jax.device_get(state.params), program)
+      state = state._replace(params=jax.device_put(params, program.state_sharding.params))
+      run.checkpoints.save(0, state, run.train_iter, fresh_host(), run.fingerprint)
+      run.checkpoints.wait()
+  finally:
+    run.close()
+
+
 def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None
                        ) -> dict[str, Any]:
   """Trains `config` (see `default_config`) in `workdir`, resuming from its latest
@@ -376,13 +408,9 @@ def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None
   cannot be resumed (another run's, damaged), a checkpoint that cannot be saved (the run
   stops there) or a workdir that cannot be written, ValueError on a bad config.
   """
-  config = _as_config(config)
-  config_lib.validate(config)
-  prepare_workdir(workdir)
-  program = program_lib.build(config)
-  run = Run(config, workdir, program)
+  run = _new_run(config, workdir)
   try:
-    with jax.set_mesh(program.mesh):
+    with jax.set_mesh(run.program.mesh):
       run.start()
       train_lockstep([run], run.advance, lambda m: [m], lambda: None, stop_after)
     summary = run.summary()
