@@ -21,10 +21,10 @@ W_o need to carry over), trained on for `continue_fraction` of the steps:
   SSE-H_scratch      the same hybrids from their own init, the same continued budget:
   GLA-H_scratch      the control that lets "conversion helps" fail (init "scratch")
 
-The replaced layer is the LAST one ("AS" / "AG"): in a 2-layer MQAR model the last
-layer does the lookup, so the replaced layer's state has to hold the pairs (replacing
-the first layer leaves the lookup to attention and every hybrid recalls like the
-original). The :cpu variant trains one seed; the GPU variant three.
+The replaced layer is the LAST one ("AS" / "AG"). It is the layer whose output the
+answer is read from, so its state, not an attention cache, has to hold the pairs (if the
+first layer were replaced, the lookup could stay with attention; not measured here).
+The :cpu variant trains one seed; the GPU variant three.
 """
 
 import ml_collections
