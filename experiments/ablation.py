@@ -40,10 +40,7 @@ anything trains. results.json and results.md record the command (less --workdir,
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 import pathlib
-import re
 import shlex
 import shutil
 import sys
@@ -59,7 +56,7 @@ from experiments import plots
 from experiments import report
 from experiments import sweep
 from experiments import verdict
-from sse_jax.cli import config_files, field_paths, usage_exit
+from sse_jax import cli
 from sse_jax.train import config as config_lib
 
 FLAGS = flags.FLAGS
@@ -94,73 +91,37 @@ plot = plots.plot
 
 def load_config(argument: str) -> ml_collections.ConfigDict:
   """The experiment config that --config=<file>[:<arg>] names, as its file builds it (no
-  --config.* flags applied); a file that does not exist or fails to build its config is
-  an app.UsageError naming the flag."""
-  path, *arg = argument.split(":", 1)
-  file = pathlib.Path(path)
-  if not file.is_file():
-    known = config_files(file)
-    raise app.UsageError(f"--config={argument}: no such config file"
-                         + (f"; the configs are {', '.join(known)}" if known else ""))
-  spec = importlib.util.spec_from_file_location("_ablation_config", file)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # as an import would: e.g. dataclasses look it up
-  try:
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-      raise app.UsageError(f"--config={argument}: not a config file (it has no "
-                           "get_config); the configs are " + ", ".join(config_files(file)))
-    cfg = module.get_config(*arg)
-  except app.UsageError:
-    raise
-  except ValueError as e:  # the config's own word on its argument
-    raise app.UsageError(f"--config={argument}: {e}") from None
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    raise app.UsageError(f"--config={argument}: building the config failed: "
-                         f"{type(e).__name__}: {e}") from None
-  finally:
-    del sys.modules[spec.name]
-  if not isinstance(cfg, ml_collections.ConfigDict) or not {"train", "runs"} <= set(cfg):
+  --config.* flags applied; `sse_jax.cli.load_config_file`); a file that does not exist
+  or fails to build its config, or a config that is not an experiment's (a training
+  config: the trainer's command runs it), is an app.UsageError naming the flag."""
+  cfg = cli.load_config_file(argument)
+  if not {"train", "runs"} <= set(cfg):
     raise app.UsageError(f"--config={argument}: get_config() did not return an experiment"
-                         " config (a ConfigDict with train and runs; configs/common.py)")
+                         " config (a ConfigDict with train and runs; configs/common.py);"
+                         " a training config runs with python -m sse_jax.train"
+                         f" --config={argument} --workdir=DIR")
   return cfg
 
 
 def check_config_flags(args: list[str]) -> None:
-  """Loads --config and checks that every --config.<path> flag names one of its fields,
-  before absl parses them: a missing file, a failing config argument or a field that
-  does not exist would be a traceback there. The message suggests the closest field
-  (e.g. --config.model.sse.top_k: --config.train.model.sse.top_k)."""
-  args = args[:args.index("--")] if "--" in args else args
-  argument = None
-  for i, arg in enumerate(args):
-    found = re.fullmatch(r"--?config(?:=(.*))?", arg, re.S)
-    if found:
-      argument = found[1] if found[1] is not None else next(iter(args[i + 1:]), None)
-  if not argument:
-    return  # no --config: main says so
-  cfg = load_config(argument)
-  paths = set(field_paths(cfg))
-  for arg in args:
-    found = re.match(r"--?(?:no)?config\.([^=]*)", arg)
-    if not found or found[1] in paths or "[" in found[1]:  # [i]: config_flags' indexing
-      continue
-    path = found[1]
-    tails = sorted((p for p in paths if p.endswith("." + path)), key=len)
-    close = tails or difflib.get_close_matches(path, sorted(paths), n=1)
-    hint = (f"; did you mean --config.{close[0]}?" if close else
-            f"; its fields are {', '.join(sorted(cfg))}")
-    raise app.UsageError(f"{arg}: {argument} has no field {path}{hint}")
+  """Loads --config and checks that every --config.<path> flag names one of its fields
+  that a flag can set (`sse_jax.cli.check_override_paths`), before absl parses them: a
+  missing file, a failing config argument or a field that does not exist would be a
+  traceback there. The message suggests the closest field (e.g.
+  --config.model.sse.top_k: --config.train.model.sse.top_k)."""
+  argument = cli.config_argument(args)
+  if argument:  # without --config, main says so
+    cli.check_override_paths(args, argument, load_config(argument))
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """app.run's flag parser: absl's, after `check_config_flags`, with every mistake one
-  line and exit status 2 (`usage_exit`); --help still prints the flags' help."""
+  line and exit status 2 (`sse_jax.cli.usage_exit`); --help still prints the flags' help."""
   try:
     check_config_flags(argv[1:])
     return FLAGS(argv)
   except (app.UsageError, flags.Error) as e:
-    usage_exit(e)
+    cli.usage_exit(e)
 
 
 def make_dir(path: pathlib.Path, flag: str) -> None:
@@ -254,7 +215,7 @@ def main(argv):
   try:
     run_sweep(argv)
   except app.UsageError as e:
-    usage_exit(e)
+    cli.usage_exit(e)
 
 
 def run_sweep(argv):

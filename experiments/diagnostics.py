@@ -165,8 +165,8 @@ def diagnose_seed(seed_dir: pathlib.Path, args, label: str) -> dict[str, Any]:
   from sse_jax.data import PAD_ID, make_dataset, make_source  # pylint: disable=g-import-not-at-top
   from sse_jax.diagnostics import LayerStats  # pylint: disable=g-import-not-at-top
   from sse_jax.train import build, load_state  # pylint: disable=g-import-not-at-top
-  from sse_jax.train.__main__ import load_config  # pylint: disable=g-import-not-at-top
-  config = load_config(str(seed_dir / "config.json"))
+  from sse_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.from_json(str(seed_dir / "config.json"))
   data = data_config(config, args.pairs)
   batch_size = args.batch_size or config.batch_size
   state, step = load_state(config, str(seed_dir), args.step)

@@ -61,9 +61,9 @@ def main(argv=None) -> None:
   if not os.path.exists(saved):
     raise SystemExit(f"--workdir={args.workdir}: no config.json (not a run directory)")
   from sse_jax.train import probe  # pylint: disable=g-import-not-at-top
-  from sse_jax.train.__main__ import load_config  # pylint: disable=g-import-not-at-top
+  from sse_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   rows = probe.retrieval_by_length(
-      load_config(saved), args.workdir, [int(t) for t in args.lengths.split(",")],
+      config_lib.from_json(saved), args.workdir, [int(t) for t in args.lengths.split(",")],
       num_examples=args.num_examples, batch_size=args.batch_size,
       num_digits=args.num_digits, seed=args.seed)
   lines = [f"Retrieval probe of `{args.workdir}` (step {rows[0]['step']}), "

@@ -17,7 +17,6 @@ and a change to `data` also reaches `eval_data` when the file derives one from t
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
@@ -191,9 +190,8 @@ def check_finished_runs(jobs: list[Job]) -> None:
       continue
     saved = job.dir / "config.json"
     if saved.exists():
-      differences = config_lib.diff(
-          config_lib.fingerprint(ml_collections.ConfigDict(json.loads(saved.read_text()))),
-          config_lib.fingerprint(job.config))
+      differences = config_lib.diff(config_lib.fingerprint(config_lib.from_json(str(saved))),
+                                    config_lib.fingerprint(job.config))
       if differences:
         stale.append((job, "was trained with another config: "
                            + "; ".join(differences[:5])))

@@ -151,13 +151,13 @@ def test_prefill_then_decode_equals_full_call(case, impl):
   x = inputs(seed=11, t=22)
   assert router_margin(layer.router(x).probs, layer.config.writers) > 1e-4
   full = cached(layer, x, layer.init_cache(B))
-  out = cached(layer, x[:, :16], layer.init_cache(B))
-  ys, cache = [out.y], out.cache
+  # a chunked prefill of 16 tokens, then one decode step per token
+  outs = [cached(layer, x[:, :16], layer.init_cache(B))]
   for t in range(16, 22):
-    out = cached(layer, x[:, t:t + 1], cache)
-    ys.append(out.y)
-    cache = out.cache
-  assert_close(jnp.concatenate(ys, axis=1), full.y, 1e-5, f"{case} {impl}: y")
+    outs.append(cached(layer, x[:, t:t + 1], outs[-1].cache))
+  cache = outs[-1].cache
+  assert_close(jnp.concatenate([o.y for o in outs], axis=1), full.y, 1e-5,
+               f"{case} {impl}: y")
   assert cache.state.shape == layer.zero_state(B).shape
   assert_close(cache.state, full.cache.state, 1e-5, f"{case} {impl}: state")
   no_cache = nnx.jit(lambda m, x: m(x).y)(layer, x)

@@ -40,9 +40,6 @@ from sse_jax.train import config as config_lib
 PROG = "python -m sse_jax.train"
 FLAGS = flags.FLAGS
 
-# A run's config.json as a config (experiments.diagnostics and retrieval_probe import it).
-load_config = config_lib.from_json
-
 
 def define_flags() -> None:
   """The command line's flags, on absl's global FLAGS (once)."""
@@ -92,9 +89,15 @@ def _checked_config():
     config_lib.validate(config)
     config_lib.model_config(config)
   except ValueError as e:
-    field = re.match(r"train config: ([\w.]+)=", str(e))
-    given = [p for p in FLAGS["config"].override_values
-             if field and (p == field[1] or p.startswith(field[1] + "."))]
+    # "train config: <path>=" (a training field), or "<Layer>Config.<field>=" (a model
+    # field, named by the layer: the flag is the override ending in that field)
+    found = re.match(r"train config: ([\w.]+)=|\w+Config\.(\w+)=", str(e))
+    overrides = FLAGS["config"].override_values
+    if found and found[1]:
+      given = [p for p in overrides if p == found[1] or p.startswith(found[1] + ".")]
+    else:
+      given = [p for p in overrides if found and p.startswith("model.")
+               and p.rsplit(".", 1)[-1] == found[2]]
     by = f" (set by --config.{given[0]})" if given else ""
     raise app.UsageError(f"--config={FLAGS['config'].config_filename}: {e}{by}") from None
   return config

@@ -33,8 +33,8 @@ def retrieval_by_length(config, workdir: str, lengths: Sequence[int], *,
   """One row per length: {seq_len, exact_match, digit_accuracy, answer_ce (nats per
   answer byte: smoother than the accuracies for a weak model), examples, step}.
 
-  config: the run's training config (e.g. its config.json, `sse_jax.train.__main__.
-  load_config`); workdir: the run directory (its latest checkpoint, or `step`).
+  config: the run's training config (e.g. its config.json,
+  `sse_jax.train.config.from_json`); workdir: the run directory (its latest checkpoint, or `step`).
   num_examples per length (a multiple of batch_size, the global batch).
   """
   model = config_lib.model_config(config)
