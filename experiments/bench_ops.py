@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
@@ -289,7 +290,7 @@ def main(argv):
   meta = dict(device=device, jax=jax.__version__, heads=FLAGS.heads, dim=FLAGS.dim,
               top_k=FLAGS.top_k, reps=FLAGS.reps, block_sizes=block_sizes,
               gdn_block_sizes=gdn_block_sizes,
-              command="python -m experiments.bench_ops " + " ".join(sys.argv[1:]))
+              command=shlex.join(["python", "-m", "experiments.bench_ops", *sys.argv[1:]]))
 
   def save(rows):
     (out / "bench_ops.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -31,6 +31,7 @@ import importlib.util
 import json
 import pathlib
 import re
+import shlex
 import sys
 from typing import Any
 
@@ -209,7 +210,7 @@ def main(argv):
     raise app.UsageError(f"no rows of {cfg.name} in {FLAGS.reports + FLAGS.borrow}")
   out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
-  command = "python -m experiments.merge_reports " + " ".join(sys.argv[1:])
+  command = shlex.join(["python", "-m", "experiments.merge_reports", *sys.argv[1:]])
   report.write_tables(cfg, rows, out, command)
   plots.plot(cfg, rows, out / f"{cfg.name}.png")
   merged = {row["run"] for row in rows}
