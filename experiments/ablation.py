@@ -100,6 +100,12 @@ def load_config(argument: str) -> ml_collections.ConfigDict:
                          " config (a ConfigDict with train and runs; configs/common.py);"
                          " a training config runs with python -m sse_jax.train"
                          f" --config={argument} --workdir=DIR")
+  if "source" in cfg:
+    # The converted runs start from the source run's weights, which only the conversion
+    # runner writes; trained here they would silently start from scratch.
+    raise app.UsageError(f"--config={argument}: a conversion config (source="
+                         f"{cfg.source!r}) runs with python -m experiments.convert"
+                         f" --config={argument}")
   return cfg
 
 
@@ -195,12 +201,23 @@ def write_report(cfg, jobs: list[sweep.Job], root: pathlib.Path, command: str) -
   rows = report.collect(cfg, jobs)
   if not rows:
     raise SystemExit(f"no finished runs under {root}")
-  report.write_tables(cfg, rows, root, command)
-  plots.plot(cfg, rows, root / f"{cfg.name}.png")
-  lines = verdict.verdict(cfg, rows, root / "results.md", root / f"{cfg.name}.png")
-  if lines:
-    with open(root / "results.md", "a") as f:
-      f.write("\n".join(["", "## Verdict", "", *lines]) + "\n")
+  try:
+    report.write_tables(cfg, rows, root, command)
+    plots.plot(cfg, rows, root / f"{cfg.name}.png")
+    lines = verdict.verdict(cfg, rows, root / "results.md", root / f"{cfg.name}.png")
+    if lines:
+      with open(root / "results.md", "a") as f:
+        f.write("\n".join(["", "## Verdict", "", *lines]) + "\n")
+  except OSError as e:
+    # A full or read-only disk: the runs are trained, so say where writing failed and
+    # still print one line per run rather than dying in a traceback.
+    print(f"could not write the report under {root}: {e.strerror or e}"
+          f"{f' ({e.filename})' if getattr(e, 'filename', None) else ''}; the runs:",
+          file=sys.stderr, flush=True)
+    for row in rows:
+      print(f"{row['run']}: {cfg.metric} {row['metric']:.4f} ± {row['metric_std']:.4f}"
+            f" over {row['seeds']} seeds at step {row['step']}", flush=True)
+    raise SystemExit(1) from None
   print((root / "results.md").read_text())
   if FLAGS.results:
     dest = pathlib.Path(FLAGS.results)

@@ -236,3 +236,43 @@ def test_serial_sweep_goes_on_after_a_failed_run_and_reports_when_interrupted(
   assert exit_info.value.code == 130
   report = (tmp_path / "w" / cfg.name / "results.md").read_text()
   assert "shared" in report
+
+
+def test_a_report_that_cannot_be_written_is_one_line_and_still_lists_the_runs(
+    tmp_path, monkeypatch, capsys):
+  """A full disk when the report is written (here the figure): one line naming the
+  directory and the error on stderr, every run's number on stdout, exit status 1."""
+  import errno  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  cfg = _table8()
+  jobs = sweep.expand(cfg, tmp_path)
+  for job in jobs:
+    job.dir.mkdir(parents=True, exist_ok=True)
+    ev = dict(_eval_record(2, 1.0, 0.5), by_pairs={"8": dict(accuracy=0.5, loss=1.0)})
+    (job.dir / "summary.json").write_text(json.dumps(
+        {"step": job.config.num_steps, "finished": True, "eval": ev, "history": [],
+         "params": 1}))
+
+  def full_disk(cfg, rows, path):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+  monkeypatch.setattr(plots, "plot", full_disk)
+  (tmp_path / cfg.name).mkdir(exist_ok=True)
+  with pytest.raises(SystemExit) as exit_info:
+    ablation.write_report(cfg, jobs, tmp_path / cfg.name, "cmd")
+  assert exit_info.value.code == 1
+  out, err = capsys.readouterr()
+  assert err.count("\n") == 1 and "No space left on device" in err, err
+  assert f"{cfg.name}.png" in err
+  assert sorted(line.split(":")[0] for line in out.splitlines()) == sorted(
+      {j.run for j in jobs})
+
+
+def test_a_conversion_config_is_refused_by_the_ablation_runner():
+  """configs/table4.py's converted runs need the source's weights, which only
+  experiments.convert puts in place: the runner refuses it in one line."""
+  proc = subprocess.run([sys.executable, "-m", "experiments.ablation",
+                         "--config=configs/table4.py:cpu", "--workdir=unused"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.count("\n") == 1 and "experiments.convert" in proc.stderr, proc.stderr
