@@ -16,11 +16,14 @@ cannot tell state sizes apart (the verdict at the end of results.md says which).
 
 Runs: GLA at several key dims (the state-size axis), SSE at N in {1, 2, 4, 8, 16, 32}
 with k/N = 25% and 50% and a fixed-k (k = 1) line, all with the small Dk, and a
-Transformer. Per layer and head an SSE model keeps (N + 1) Dk state rows (the shared
-partition and N routed ones) of which (k + 1) Dk are read and written per token: the
-report places each SSE run at its active and its total state floats, on the same axis
-as GLA's Dk rows, so "equal active state" and "equal total state" comparisons can be
-read off the figure (`experiments.plots.capacity`) and the verdict.
+Transformer. Delta-rule reference levels (`s.delta_rule`, GPU only): Gated DeltaNet at
+the GLA controls' key dims (family "gdn", a line of its own) and SSE-GDN at N = 4,
+k = 1 (family "sse_gdn": the N4_k1 model with transition="delta"). Per layer and head
+an SSE model keeps (N + 1) Dk state rows (the shared partition and N routed ones) of
+which (k + 1) Dk are read and written per token: the report places each SSE run at its
+active and its total state floats, on the same axis as GLA's Dk rows, so "equal active
+state" and "equal total state" comparisons can be read off the figure
+(`experiments.plots.capacity`) and the verdict.
 """
 
 import ml_collections
@@ -58,6 +61,10 @@ def setting(variant: str) -> ml_collections.ConfigDict:
     s.chunk_size = 16
     s.sse_impl = "varlen"
     s.gla_impl = "chunk"
+    # No delta-rule runs here: a GDN step costs what a GLA step of the same Dk does and
+    # SSE-GDN N4_k1 ~1.3x SSE N4_k1 (20-step timings on 2 cores), so GDN at 4, 8, 32 and
+    # SSE-GDN would add ~5 minutes to the sweep (~14 in all).
+    s.delta_rule = False
     s.compute_dtype = "float32"
     s.data_workers = 0
     s.workers = 2                     # two runs at once, one per core
@@ -90,9 +97,14 @@ def setting(variant: str) -> ml_collections.ConfigDict:
     s.chunk_size = 64
     s.sse_impl = "masking"            # Dk = 8: the XLA chunked op
     s.gla_impl = "pallas_chunk"       # where the kernels take the key dim, else XLA
+    s.delta_rule = True               # GDN and SSE-GDN reference levels
     s.compute_dtype = "bfloat16"
     s.data_workers = 1
     s.workers = 6                     # small models: six processes share the GPU
+  # The delta-rule runs use the scan: exact, and cheap at T <= 64. (The XLA chunked form
+  # calls LAPACK's batched triangular solve on CPU, which was seen to hang jax's CPU
+  # thread pool on 2 cores.)
+  s.delta_impl = "scan"
   return s
 
 
@@ -114,11 +126,29 @@ def gla_run(s, dk: int):
   return common.run(f"GLA_dk{dk}", dict(family="gla", key_dim=dk), model=model)
 
 
+def gdn_run(s, dk: int):
+  """Gated DeltaNet at key dim dk (the official layer: short conv 4, L2-normalised q and
+  k), a reference level on the GLA controls' state axis."""
+  gdn = dict(key_dim=dk, chunk_size=s.chunk_size, impl=s.delta_impl)
+  return common.run(f"GDN_dk{dk}", dict(family="gdn", key_dim=dk),
+                    model=dict(common.model(s, "D" * s.layers), gdn=gdn))
+
+
+def sse_gdn_run(s, n: int = 4, k: int = 1):
+  """SSE on the delta rule: the SSE run of the same N, k with transition="delta" (and
+  the delta runs' impl)."""
+  return common.run(f"SSE_GDN_N{n}_k{k}", dict(family="sse_gdn", N=n, k=k),
+                    **{"model.sse.num_partitions": n, "model.sse.top_k": k,
+                       "model.sse.transition": "delta", "model.sse.impl": s.delta_impl})
+
+
 def get_config(arg=None):
   s = setting(common.variant(arg))
   base = common.train(s, common.model(s))
   runs = [gla_run(s, dk) for dk in s.gla_key_dims]
   runs += [sse_run(n, k) for n, k in s.sse_runs]
+  if s.delta_rule:
+    runs += [gdn_run(s, dk) for dk in s.gla_key_dims] + [sse_gdn_run(s, 4, 1)]
   if s.transformer:
     runs.append(common.run("Transformer", dict(family="transformer"),
                            model=common.model(s, "A" * s.layers)))

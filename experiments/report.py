@@ -108,12 +108,13 @@ def router_stats(summaries: list[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
-FAMILIES = {"S": "sse", "G": "gla", "A": "transformer", "W": "swa", "M": "mom"}
+FAMILIES = {"S": "sse", "G": "gla", "A": "transformer", "W": "swa", "M": "mom",
+            "D": "gdn"}
 
 
 def family_of(pattern: str) -> str:
-  """"sse" / "gla" / "transformer" / "swa" / "mom" for a pattern of one mixer letter,
-  else "hybrid"."""
+  """"sse" / "gla" / "transformer" / "swa" / "mom" / "gdn" for a pattern of one mixer
+  letter, else "hybrid" (SSE on the delta rule is "sse" here: configs label it)."""
   letters = set(pattern)
   return FAMILIES[pattern[0]] if len(letters) == 1 else "hybrid"
 
@@ -121,14 +122,14 @@ def family_of(pattern: str) -> str:
 def layer_state(letter: str, mixer, seq_len: int | None) -> tuple[int, int] | None:
   """(active, total) floats of one layer's recurrent state for one sequence.
 
-  GLA: one H x Dk x Dv state. SSE: N routed partitions (+ the shared one) of that size,
-  of which a token writes k (`writers`: top_k unless num_writers is set) and the shared
-  one; with per-partition Q/K/V the states are the same. MoM: likewise N routed
-  memories (+ the shared one), k of them written and read per token. Attention: the KV
-  cache at the data's sequence length T (the window if shorter), 2 T Hkv Dh (keys and
-  values), all of it active; None when T is unknown. Sliding-window attention: its
-  ring cache of W positions, 2 min(T, W) Hkv Dh (W when T is unknown: the cache does
-  not grow past it).
+  GLA and GDN: one H x Dk x Dv state. SSE (either transition): N routed partitions
+  (+ the shared one) of that size, of which a token writes k (`writers`: top_k unless
+  num_writers is set) and the shared one; with per-partition Q/K/V the states are the
+  same. MoM: likewise N routed memories (+ the shared one), k of them written and read
+  per token. Attention: the KV cache at the data's sequence length T (the window if
+  shorter), 2 T Hkv Dh (keys and values), all of it active; None when T is unknown.
+  Sliding-window attention: its ring cache of W positions, 2 min(T, W) Hkv Dh (W when T
+  is unknown: the cache does not grow past it).
   """
   match letter:
     case "A" | "W":
@@ -137,7 +138,7 @@ def layer_state(letter: str, mixer, seq_len: int | None) -> tuple[int, int] | No
       t = mixer.window if seq_len is None else min(seq_len, mixer.window or seq_len)
       cache = 2 * t * mixer.kv_heads * mixer.head
       return cache, cache
-    case "G":
+    case "G" | "D":
       head = mixer.num_heads * mixer.head_k * mixer.head_v
       return head, head
     case "S":

@@ -7,8 +7,9 @@
 The prompt [B, P] goes through the model once with a fresh cache
 (`model.init_cache(B, P + max_new_tokens)`): linear-attention layers run their chunked
 ops from a zero state and keep the final states, attention layers fill their KV cache.
-Each new token then costs one decode step per layer (SSE touches only the selected
-partitions; attention reads the KV cache). All sequences of a batch share one position
+Each new token then costs one decode step per layer (SSE, on either transition, touches
+only the selected partitions; GLA and GDN update one state per head; attention reads the
+KV cache). All sequences of a batch share one position
 (no left padding) and there is no end-of-sequence stop: callers cut at their EOS.
 """
 

@@ -79,3 +79,23 @@ def test_cached_decoding_and_greedy_generation(variant):
   seq = jnp.concatenate([toks[:, :PROMPT], new], axis=1)
   want = jnp.argmax(forward(m, seq).logits[:, PROMPT - 1:-1], axis=-1)
   np.testing.assert_array_equal(new, want)
+
+
+def test_the_report_places_the_new_families():
+  """experiments.report: a "D" model is family "gdn" with one GLA-sized state per layer;
+  SSE-GDN has SSE's active / total state; fig7 labels both families."""
+  from configs import fig7  # pylint: disable=g-import-not-at-top
+  from experiments import report  # pylint: disable=g-import-not-at-top
+  gdn, sse_gdn = tiny("gdn"), tiny("sse_gdn")
+  head = 4 * 16 * 16  # H Dk Dv
+  assert report.family_of(gdn.pattern) == "gdn"
+  assert report.state_floats(gdn, 32) == dict(state_floats_active=head,
+                                              state_floats_total=head)
+  assert report.state_floats(sse_gdn, 32) == dict(state_floats_active=2 * head,
+                                                  state_floats_total=5 * head)
+  runs = {r["name"]: r for r in fig7.get_config("gpu").runs}
+  assert runs["GDN_dk8"]["labels"]["family"] == "gdn"
+  assert runs["SSE_GDN_N4_k1"]["labels"]["family"] == "sse_gdn"
+  assert runs["SSE_GDN_N4_k1"]["overrides"]["model.sse.transition"] == "delta"
+  assert not any(n.startswith(("GDN", "SSE_GDN")) for n in
+                 (r["name"] for r in fig7.get_config("cpu").runs))

@@ -29,8 +29,8 @@ from sse_jax.layers.swa import RingCache, SWAConfig, SlidingWindowAttention
 
 __all__ = [
     "ACTIVATIONS", "Attention", "AttentionConfig", "Block", "DecayGate", "Einsum", "GDN",
-    "GDNConfig", "GLA", "GLAConfig", "KVCache", "LOGICAL_AXIS_RULES", "LinearAttentionConfig", "LowRank",
-    "MLPConfig", "MixerConfig", "MixerOutput", "MoM", "MoMConfig", "REMAT_POLICIES",
+    "GDNConfig", "GLA", "GLAConfig", "KVCache", "LOGICAL_AXIS_RULES",
+    "LinearAttentionConfig", "LowRank", "MLPConfig", "MixerConfig", "MixerOutput", "MoM", "MoMConfig", "REMAT_POLICIES",
     "RMSNorm", "RecurrentCache", "RingCache", "Router", "Routing", "SSE", "SSEConfig",
     "SWAConfig", "ShortConv", "SlidingWindowAttention", "SwiGLU", "activate",
     "apply_rope", "load_balance", "make_mixer", "sequences",
