@@ -272,6 +272,10 @@ def plot_similarity(runs, path: pathlib.Path, layer: int | None) -> None:
                    fontsize=8)
       ax.set_xlabel("state row", fontsize=7)
       ax.set_ylabel("state row", fontsize=7)
+      # Row indices are integers; matplotlib would put ticks at half rows on small states.
+      ticks = range(0, len(matrix), max(1, len(matrix) // 8))
+      ax.set_xticks(ticks)
+      ax.set_yticks(ticks)
   if image is not None:
     fig.colorbar(image, ax=axes, shrink=0.8, label="cosine similarity")
   fig.suptitle("State-row cosine similarity (mean over sequences, heads and partitions)",
