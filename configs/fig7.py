@@ -101,9 +101,7 @@ def setting(variant: str) -> ml_collections.ConfigDict:
     s.compute_dtype = "bfloat16"
     s.data_workers = 1
     s.workers = 6                     # small models: six processes share the GPU
-  # The delta-rule runs use the scan: exact, and cheap at T <= 64. (The XLA chunked form
-  # calls LAPACK's batched triangular solve on CPU, which was seen to hang jax's CPU
-  # thread pool on 2 cores.)
+  # The delta-rule runs use the scan: exact, and cheap at T <= 64.
   s.delta_impl = "scan"
   return s
 

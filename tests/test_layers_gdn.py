@@ -236,3 +236,18 @@ def test_config_errors_name_the_field():
     dataclasses.replace(BASE, gate_rank=8)
   with pytest.raises(ValueError, match=r"GDNConfig.allow_neg_eigval=1 must be a bool"):
     dataclasses.replace(BASE, allow_neg_eigval=1)
+
+
+def test_pallas_impls_are_checked_against_the_gdn_kernels_limits():
+  """A delta-rule mixer's Pallas impl is checked against the GDN kernels' limits (chunk
+  sizes 16-64), not the GLA kernels' (which take 128), when the config is built."""
+  from sse_jax.layers.mom import MoMConfig  # pylint: disable=g-import-not-at-top
+  from sse_jax.layers.sse import SSEConfig  # pylint: disable=g-import-not-at-top
+  for make, impl in ((GDNConfig, "pallas_chunk"),
+                     (lambda **kw: SSEConfig(transition="delta", **kw), "pallas_varlen"),
+                     (lambda **kw: MoMConfig(transition="delta", **kw), "pallas_chunk")):
+    with pytest.raises(ValueError, match=r"impl='pallas_\w+' cannot take chunk_size=128: "
+                                         r"the Pallas GDN kernels"):
+      make(hidden=64, num_heads=2, impl=impl, chunk_size=128)
+    assert make(hidden=64, num_heads=2, impl=impl, chunk_size=64).chunk_size == 64
+  assert SSEConfig(hidden=64, num_heads=2, impl="pallas_varlen", chunk_size=128)

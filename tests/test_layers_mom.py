@@ -186,8 +186,8 @@ def test_config_errors_name_the_field():
     dataclasses.replace(BASE, top_k=5)
   with pytest.raises(ValueError, match=r"MoMConfig.transition='rwkv' is not one of"):
     dataclasses.replace(BASE, transition="rwkv")
-  with pytest.raises(ValueError, match=r"MoMConfig.impl='pallas_chunk' is not one of"):
-    dataclasses.replace(BASE, transition="delta", impl="pallas_chunk")
+  with pytest.raises(ValueError, match=r"MoMConfig.impl='loop' is not one of"):
+    dataclasses.replace(BASE, transition="delta", impl="loop")  # a GLA-only impl
 
 
 # --- the model ---------------------------------------------------------------------

@@ -52,6 +52,9 @@ class GDNConfig(LinearAttentionConfig):
   impl: str = "chunk"
   allow_neg_eigval: bool = False
 
+  def kernel_op(self) -> str:
+    return "gdn"
+
   def allowed_impls(self) -> tuple[str, ...]:
     return tuple(ops.GDN_IMPLS)
 

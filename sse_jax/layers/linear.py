@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import chunk_gla as gla_kernels
 from sse_jax.layers import validation as check
 from sse_jax.layers.router import load_balance
 from sse_jax.layers.features import ACTIVATIONS
@@ -101,17 +100,23 @@ class LinearAttentionConfig:
       check.fail(name, "impl", self.impl, f"cannot take {error}")
     check.positive_float(name, "norm_eps", self.norm_eps)
 
+  def kernel_op(self) -> str:
+    """The op whose Pallas kernels this mixer's impl runs ("gla"; a delta-rule mixer
+    says "gdn" or "sse_gdn"), for the kernels' shape limits (`pallas_error`)."""
+    return "gla"
+
   def pallas_error(self) -> str | None:
     """Why the Pallas kernels cannot run this mixer's impl at its chunk size and head
     dims (one line naming the value), or None: fine, or an XLA impl, or "auto" (which
-    checks the same when it resolves, and picks XLA instead). These are the GLA
-    kernels' limits; a mixer on other kernels overrides this with theirs."""
+    checks the same when it resolves, and picks XLA instead). The limits are those of
+    the kernels of `kernel_op`."""
     impl = checks.parse_enum(impl_lib.Impl, self.impl, "impl")
     if impl is impl_lib.Impl.AUTO:
       return None
     match impl_lib.named(impl).core:
       case impl_lib.PallasCore():
-        return gla_kernels.shape_error(self.chunk_size, self.head_k, self.head_v)
+        return impl_lib.kernels_for(self.kernel_op()).shape_error(
+            self.chunk_size, self.head_k, self.head_v)
       case _:
         return None
 

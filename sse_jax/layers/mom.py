@@ -85,6 +85,9 @@ class MoMConfig(LinearAttentionConfig):
     """M: the memories with parameters of their own (routed, then the shared one)."""
     return self.num_memories + int(self.shared_memory)
 
+  def kernel_op(self) -> str:
+    return "gdn" if self.transition == "delta" else "gla"
+
   def allowed_impls(self) -> tuple[str, ...]:
     if self.transition == "delta":
       return GDN_IMPLS

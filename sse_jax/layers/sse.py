@@ -42,12 +42,10 @@ Degenerate cases:
 
 share_partition_params=False (Table 8's MoM-like control): W_q, W_k, W_v become
 [D, P, H, D*] with P = N (+1 for the shared partition, which then has its own
-projections instead of a LoRA; `lora_rank` is unused) and the layer runs the masked
-per-partition path of `per_partition` (one `ops.gla` call over P x H folded heads,
-cost ~P x dense; `impl` "scan" uses the GLA scan reference, "pallas_*" the Pallas
-chunked GLA, "auto" the GLA's "auto" (Pallas on a GPU), any other value the XLA
-chunked GLA). Decoding then updates all P folded states (unselected ones with the
-identity).
+projections instead of a LoRA; `lora_rank` is unused) and the layer calls `ops.sse`
+(and `ops.sse_decode_step`) with per-partition q, k, v [B, T, N, H, D] for whatever
+`impl` says, XLA or Pallas (`per_partition`); the decoding cache keeps the partitions
+folded into heads, [B, P H, Dk, Dv].
 
 transition="delta" (SSE-GDN, docs/design.md, section 7): every partition is a gated
 delta-rule state instead (`ops.sse_gdn`). q and k (routed and shared, after the feature
@@ -133,6 +131,9 @@ class SSEConfig(LinearAttentionConfig):
   @property
   def readers(self) -> int:
     return self.top_k if self.num_readers is None else self.num_readers
+
+  def kernel_op(self) -> str:
+    return "sse_gdn" if self.transition == Transition.DELTA else "sse"
 
   def allowed_impls(self) -> tuple[str, ...]:
     if self.transition == Transition.DELTA:

@@ -154,6 +154,52 @@ def gdn_scan(q, k, v, g, beta, h0, cu_seqlens=None):
   return jnp.swapaxes(ys, 0, 1), final
 
 
+def _substitute(a, b, reverse: bool):
+  """X with X_i = b_i - sum_j a_ij X_j, row by row (from the first row, or from the last
+  with reverse): the solve of (I + a) X = b for a strictly lower (upper with reverse)
+  triangular [..., C, C] a, b [..., C, D]. Rows not yet solved still hold b, and a's
+  zero triangle keeps them out of each row's sum."""
+  c = a.shape[-1]
+
+  def row(step, x):
+    i = c - 1 - step if reverse else step
+    a_i = jax.lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=True)      # [..., 1, C]
+    b_i = jax.lax.dynamic_index_in_dim(b, i, axis=-2, keepdims=True)
+    return jax.lax.dynamic_update_index_in_dim(x, b_i - a_i @ x, i, axis=-2)
+
+  return jax.lax.fori_loop(0, c, row, b)
+
+
+@jax.custom_vjp
+def unit_lower_solve(a, b):
+  """(I + a)^-1 b for a strictly lower triangular a [..., C, C] and b [..., C, D] (the
+  WY / UT system of the chunked delta rule), by forward substitution.
+
+  Not `jax.scipy.linalg.solve_triangular`: on the CPU its gradient, LAPACK's batched
+  trsm at training batch sizes, was seen to deadlock jax's thread pool. The gradient
+  here is one backward substitution and a matmul, with nothing saved per row:
+  db = (I + a)^-T dx, da = -tril(db x^T, -1).
+  """
+  return _substitute(a, b, reverse=False)
+
+
+def _unit_lower_solve_fwd(a, b):
+  x = _substitute(a, b, reverse=False)
+  return x, (a, x)
+
+
+def _unit_lower_solve_bwd(res, dx):
+  a, x = res
+  db = _substitute(jnp.swapaxes(a, -1, -2), dx, reverse=True)
+  c = a.shape[-1]
+  strictly_lower = jnp.arange(c)[:, None] > jnp.arange(c)[None, :]
+  da = jnp.where(strictly_lower, -(db @ jnp.swapaxes(x, -1, -2)), 0.0).astype(a.dtype)
+  return da, db
+
+
+unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
+
+
 def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks):
   """The chunked gated delta rule over pre-chunked inputs organised in segments.
 
@@ -180,7 +226,7 @@ def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks):
   a = jnp.where(pos[:, None] > pos[None, :],
                 beta[..., :, None] * decay * jnp.einsum("...td,...sd->...ts", k, k), 0.0)
   rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gcum))[..., None] * k], -1)
-  uw = jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+  uw = unit_lower_solve(a, rhs)
   u_free, w = uw[..., :dv], uw[..., dv:]                                # U, W
   g_last = gcum[..., -1]                                                # [B, NC, H]
   k_end = k * jnp.exp(g_last[..., None] - gcum)[..., None]             # exp(G_C - G_s) k_s
