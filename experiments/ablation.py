@@ -100,12 +100,6 @@ def load_config(argument: str) -> ml_collections.ConfigDict:
                          " config (a ConfigDict with train and runs; configs/common.py);"
                          " a training config runs with python -m sse_jax.train"
                          f" --config={argument} --workdir=DIR")
-  if "source" in cfg:
-    # The converted runs start from the source run's weights, which only the conversion
-    # runner writes; trained here they would silently start from scratch.
-    raise app.UsageError(f"--config={argument}: a conversion config (source="
-                         f"{cfg.source!r}) runs with python -m experiments.convert"
-                         f" --config={argument}")
   return cfg
 
 
@@ -244,6 +238,13 @@ def run_sweep(argv):
   cfg = FLAGS.config
   if cfg is None:
     raise app.UsageError("--config is required, e.g. --config=configs/fig7.py:cpu")
+  if "source" in cfg:
+    # The converted runs start from the source run's weights, which only the conversion
+    # runner writes; trained here they would silently start from scratch.
+    argument = FLAGS["config"].config_filename
+    raise app.UsageError(f"--config={argument}: a conversion config (source="
+                         f"{cfg.source!r}) runs with python -m experiments.convert"
+                         f" --config={argument}")
   if setting(cfg, "workers") < 1:
     raise app.UsageError(f"--workers={setting(cfg, 'workers')}: must be >= 1")
   try:

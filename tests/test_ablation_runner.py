@@ -90,7 +90,8 @@ def _eval_record(step, loss, accuracy):
 
 def test_unfinished_runs_are_reported_from_their_last_eval(tmp_path):
   cfg = _table8()
-  shared, separate = sweep.expand(cfg, tmp_path)
+  by_run = {job.run: job for job in sweep.expand(cfg, tmp_path)}
+  shared, separate = by_run["shared"], by_run["separate"]
   separate.dir.mkdir(parents=True)
   records = [_eval_record(50, 3.0, 0.25), _eval_record(75, 2.0, 0.5)]
   (separate.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
