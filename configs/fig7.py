@@ -18,7 +18,10 @@ Runs: GLA at several key dims (the state-size axis), SSE at N in {1, 2, 4, 8, 16
 with k/N = 25% and 50% and a fixed-k (k = 1) line, all with the small Dk, and a
 Transformer. Delta-rule reference levels (`s.delta_rule`, GPU only): Gated DeltaNet at
 the GLA controls' key dims (family "gdn", a line of its own) and SSE-GDN at N = 4,
-k = 1 (family "sse_gdn": the N4_k1 model with transition="delta"). Per layer and head
+k = 1 (family "sse_gdn": the N4_k1 model with transition="delta"). Mixture-of-Memories
+reference points (`s.mom_runs`, GPU only; family "mom"): MoM layers with N memories, k
+active and a shared memory at the SSE runs' key dim, whose memories have their own
+W_k / W_v and gates (`mom_run`; Table 8 holds the N = 4, k = 1 one too). Per layer and head
 an SSE model keeps (N + 1) Dk state rows (the shared partition and N routed ones) of
 which (k + 1) Dk are read and written per token: the report places each SSE run at its
 active and its total state floats, on the same axis as GLA's Dk rows, so "equal active
@@ -65,6 +68,7 @@ def setting(variant: str) -> ml_collections.ConfigDict:
     # SSE-GDN N4_k1 ~1.3x SSE N4_k1 (20-step timings on 2 cores), so GDN at 4, 8, 32 and
     # SSE-GDN would add ~5 minutes to the sweep (~14 in all).
     s.delta_rule = False
+    s.mom_runs = ()                   # (N, k) of MoM reference runs: none on the CPU
     s.compute_dtype = "float32"
     s.data_workers = 0
     s.workers = 2                     # two runs at once, one per core
@@ -98,6 +102,7 @@ def setting(variant: str) -> ml_collections.ConfigDict:
     s.sse_impl = "masking"            # Dk = 8: the XLA chunked op
     s.gla_impl = "pallas_chunk"       # where the kernels take the key dim, else XLA
     s.delta_rule = True               # GDN and SSE-GDN reference levels
+    s.mom_runs = ((4, 1), (8, 2))     # MoM at SSE's equal-total-state points
     s.compute_dtype = "bfloat16"
     s.data_workers = 1
     s.workers = 6                     # small models: six processes share the GPU
@@ -140,6 +145,21 @@ def sse_gdn_run(s, n: int = 4, k: int = 1):
                        "model.sse.transition": "delta", "model.sse.impl": s.delta_impl})
 
 
+def mom_model(s, n: int, k: int) -> dict:
+  """MoM layers with n memories, k active and a shared memory, at the setting's key dim,
+  short conv and chunking (the GLA mixer's impl: MoM runs the GLA ops over its
+  memories' packed streams), on the GLA transition."""
+  model = common.model(s, "M" * s.layers)
+  model["mom"] = dict(common.gla_mixer(s), num_memories=n, top_k=k, shared_memory=True,
+                      transition="gla")
+  return model
+
+
+def mom_run(s, n: int, k: int):
+  """The MoM reference point at N = n, k = k (family "mom")."""
+  return common.run(f"MoM_N{n}_k{k}", dict(family="mom", N=n, k=k), model=mom_model(s, n, k))
+
+
 def get_config(arg=None):
   s = setting(common.variant(arg))
   base = common.train(s, common.model(s))
@@ -147,6 +167,7 @@ def get_config(arg=None):
   runs += [sse_run(n, k) for n, k in s.sse_runs]
   if s.delta_rule:
     runs += [gdn_run(s, dk) for dk in s.gla_key_dims] + [sse_gdn_run(s, 4, 1)]
+  runs += [mom_run(s, n, k) for n, k in s.mom_runs]
   if s.transformer:
     runs.append(common.run("Transformer", dict(family="transformer"),
                            model=common.model(s, "A" * s.layers)))

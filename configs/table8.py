@@ -16,24 +16,16 @@ from configs import common
 from configs import fig7
 
 
-def mom_model(s) -> dict:
-  """MoM layers with the SSE runs' N, k, key dim, short conv and chunking (the GLA
-  mixer's impl: MoM runs the GLA ops over its memories' packed streams)."""
-  sse = common.sse_mixer(s)
-  model = common.model(s, "M" * s.layers)
-  model["mom"] = dict(common.gla_mixer(s), num_memories=sse["num_partitions"],
-                      top_k=sse["top_k"], shared_memory=True, transition="gla")
-  return model
-
-
 def get_config(arg=None):
   s = fig7.setting(common.variant(arg))
   base = common.train(s, common.model(s))
+  sse = common.sse_mixer(s)
   # shared QKV is the default: that run is fig7's N4_k1 exactly.
   runs = [common.run("shared", dict(family="sse", variant="shared QKV")),
           common.run("separate", dict(family="sse", variant="per-partition QKV"),
                      **{"model.sse.share_partition_params": False}),
-          common.run("mom", dict(family="mom", variant="MoM"), model=mom_model(s))]
+          common.run("mom", dict(family="mom", variant="MoM"),
+                     model=fig7.mom_model(s, sse["num_partitions"], sse["top_k"]))]
   return common.experiment(
       "table8", s, base, runs, figure="bars",
       description="shared vs per-partition Q/K/V projections, MoM for reference "

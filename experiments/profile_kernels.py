@@ -21,7 +21,7 @@ the forms of the state walk on the grids of each op (`walk_grids`).
 
 `--trace_partitions=0,4,16` (with `--nokernels` to skip the rest) records a profiler
 trace of fwd + bwd of the dense op (0) and SSE (`--trace_impls`) at each N and prints
-the device time of every compiled HLO op (`device_ms_by_op`): which fusions, gathers
+the device time of every compiled HLO op (`traces.device_ms_by_op`): which fusions, gathers
 or sorts the packing around the kernels costs; `--hlo_dir` writes each program's
 optimised HLO to look those names up.
 
@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import op_setting
+from experiments import traces
 from pallas_kernels import chunk_gla as kernels
 
 FLAGS = flags.FLAGS
@@ -295,31 +296,6 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
   return rows
 
 
-def device_ms_by_op(fn, args, reps):
-  """{HLO op name: device ms per call} of `fn(*args)` (already compiled), from a
-  profiler trace of `reps` calls: the events of the device planes that carry an
-  `hlo_op` stat (GPU kernels, each named by the fusion or custom call it runs; on CPU,
-  the host's XLA thunks), summed per op and divided by reps, largest first."""
-  import collections  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(reps):
-        jax.block_until_ready(fn(*args))
-    path = next(pathlib.Path(tmp).rglob("*.xplane.pb"))
-    data = jax.profiler.ProfileData.from_file(str(path))
-  planes = [p for p in data.planes if p.name.startswith("/device:")] or list(data.planes)
-  total = collections.Counter()
-  for plane in planes:
-    for line in plane.lines:
-      for event in line.events:
-        stats = dict(event.stats)
-        if "hlo_op" in stats:
-          total[stats["hlo_op"]] += event.duration_ns / 1e6 / reps
-  return dict(total.most_common())
-
-
 def op_trace(length, heads, dim, partitions, impls, reps, hlo_dir):
   """Device time per HLO op of fwd + bwd of the dense op (pallas_chunk, N = 0) and of
   SSE with each impl at each N > 0 (op_overhead's setting): which fusions the packing
@@ -344,7 +320,9 @@ def op_trace(length, heads, dim, partitions, impls, reps, hlo_dir):
       pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
       (pathlib.Path(hlo_dir) / f"{name}.hlo.txt").write_text(
           step.lower(*args).compile().as_text())
-    times = device_ms_by_op(step, args, reps)
+    run = lambda: jax.block_until_ready(step(*args))
+    run()
+    times = traces.device_ms_by_op(run, reps)
     total = sum(times.values())
     print(f"trace {name}: {total:.3f} ms of device time per fwd + bwd, by HLO op:",
           flush=True)

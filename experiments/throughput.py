@@ -46,18 +46,25 @@ from sse_jax.model.config import MIXERS
 FLAGS = flags.FLAGS
 
 
+def define_point_flags(variants: list[str], lengths: list[str], tokens: int,
+                       out: str) -> None:
+  """The flags that choose the measured points (size, variants, lengths, tokens, impl)
+  and the output directory, with these defaults; shared with experiments.profile_step."""
+  flags.DEFINE_string("size", "125m", "Model size preset (sse_jax.model.presets.SIZES).")
+  flags.DEFINE_list("variants", variants, "Model variants (presets.VARIANTS).")
+  flags.DEFINE_list("lengths", lengths, "Sequence lengths T.")
+  flags.DEFINE_integer("tokens", tokens, "Tokens per training step (batch = tokens // T).")
+  flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA / GDN layers.")
+  flags.DEFINE_string("out", out, "Output directory.")
+
+
 def define_flags() -> None:
   """This tool's flags, defined only when it runs: as module-level flags they would clash
   with other experiments' (--out, --workers) in a process that imports several."""
-  flags.DEFINE_string("size", "125m", "Model size preset (sse_jax.model.presets.SIZES).")
-  flags.DEFINE_list("variants", ["sse", "sse_h", "gla", "transformer", "gdn", "sse_gdn"],
-                    "Model variants.")
-  flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths T.")
-  flags.DEFINE_integer("tokens", 65536, "Tokens per training step (batch = tokens // T).")
+  define_point_flags(["sse", "sse_h", "gla", "transformer", "gdn", "sse_gdn"],
+                     ["2048", "8192", "32768"], 65536, "results/throughput")
   flags.DEFINE_integer("steps", 10, "Timed steps (median reported).")
   flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
-  flags.DEFINE_string("impl", "auto", "ops implementation of the SSE / GLA / GDN layers.")
-  flags.DEFINE_string("out", "results/throughput", "Output directory.")
   flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes.")
   flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
 
@@ -91,15 +98,23 @@ def train_config(variant: str, batch: int):
   return config
 
 
-def measure(variant: str, length: int) -> dict:
+def build_point(variant: str, length: int):
+  """(program, batch, local batch) of one point: the trainer's program for `variant` at
+  FLAGS.tokens per step (batch rounded up to a multiple of the devices) and a batch of
+  random tokens of length `length`."""
   devices = jax.device_count()
   batch = -(-max(1, FLAGS.tokens // length) // devices) * devices
-  config = train_config(variant, batch)
-  program = train.build(config)
+  program = train.build(train_config(variant, batch))
   rng = np.random.default_rng(1)
   tokens = rng.integers(1, program.model_config.vocab_size, (batch, length + 1), np.int32)
   local = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
                weights=np.ones((batch, length), np.float32))
+  return program, batch, local
+
+
+def measure(variant: str, length: int) -> dict:
+  program, batch, local = build_point(variant, length)
+  devices = jax.device_count()
   with jax.set_mesh(program.mesh):
     state = program.init()
     data = program.global_batch(local)

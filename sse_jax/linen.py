@@ -33,8 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sse_jax.layers.attention import Attention, AttentionConfig
+from sse_jax.layers.gdn import GDN, GDNConfig
 from sse_jax.layers.gla import GLA, GLAConfig
+from sse_jax.layers.mom import MoM, MoMConfig
 from sse_jax.layers.sse import SSE, SSEConfig
+from sse_jax.layers.swa import SlidingWindowAttention, SWAConfig
 from sse_jax.model.config import ModelConfig
 from sse_jax.model.lm import LanguageModel
 
@@ -56,9 +59,25 @@ def gla_layer(config: GLAConfig, **kwargs) -> nn.Module:
   return wrap(GLA, config, **kwargs)
 
 
+def gdn_layer(config: GDNConfig, **kwargs) -> nn.Module:
+  """The Gated DeltaNet mixer: x [B, T, D] -> MixerOutput(y, cache)."""
+  return wrap(GDN, config, **kwargs)
+
+
+def mom_layer(config: MoMConfig, **kwargs) -> nn.Module:
+  """The Mixture-of-Memories mixer: x [B, T, D] -> MixerOutput(y, cache, aux_loss,
+  usage)."""
+  return wrap(MoM, config, **kwargs)
+
+
 def attention_layer(config: AttentionConfig, **kwargs) -> nn.Module:
   """The attention mixer: x [B, T, D] -> MixerOutput(y, cache)."""
   return wrap(Attention, config, **kwargs)
+
+
+def swa_layer(config: SWAConfig, **kwargs) -> nn.Module:
+  """Sliding-window attention: x [B, T, D] -> MixerOutput(y, cache)."""
+  return wrap(SlidingWindowAttention, config, **kwargs)
 
 
 def language_model(config: ModelConfig, **kwargs) -> nn.Module:

@@ -11,7 +11,10 @@ import numpy as np
 from flax import nnx
 
 from sse_jax import linen as sse_linen
-from sse_jax.layers import SSE, SSEConfig
+import pytest
+
+from sse_jax.layers import GDN, GDNConfig, GLA, GLAConfig, MoM, MoMConfig, SSE, SSEConfig
+from sse_jax.layers import SlidingWindowAttention, SWAConfig
 from sse_jax.model import LanguageModel
 from sse_jax.model.presets import tiny
 from tests.op_testing import assert_close
@@ -54,6 +57,37 @@ def test_sse_layer_in_a_linen_module_init_apply_grad():
   assert np.abs(grads["params"]["Dense_0"]["kernel"]).max() > 0
   specs = nn.get_partition_spec(variables)
   assert tuple(specs["params"]["sse"]["router"]["kernel"]) == ("embed", "partitions")
+
+
+MIXERS = {
+    "gla": (sse_linen.gla_layer, GLA, GLAConfig(hidden=16, num_heads=2, chunk_size=16)),
+    "gdn": (sse_linen.gdn_layer, GDN, GDNConfig(hidden=16, num_heads=2, chunk_size=16)),
+    "mom": (sse_linen.mom_layer, MoM, MoMConfig(hidden=16, num_heads=2, chunk_size=16,
+                                                num_memories=3, top_k=2)),
+    "swa": (sse_linen.swa_layer, SlidingWindowAttention,
+            SWAConfig(hidden=16, num_heads=2, window=5)),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_every_mixer_wrapper_computes_what_its_nnx_module_does(name):
+  """Each wrapper's output (and, for MoM, its balance loss) equals the NNX module's with
+  the same parameters; its parameters get gradients."""
+  wrapper, nnx_class, cfg = MIXERS[name]
+  x = jax.random.normal(jax.random.key(6), (2, 20, 16))
+  layer = wrapper(cfg)
+  variables = jax.jit(layer.init)(jax.random.key(7), x)
+  out = jax.jit(layer.apply)(variables, x)
+  ref = nnx.jit(lambda m, x: m(x))(
+      into_nnx(nnx.eval_shape(lambda: nnx_class(cfg, rngs=nnx.Rngs(0))),
+               variables["params"]), x)
+  assert_close(out.y, ref.y, 1e-6, f"linen {name} vs nnx")
+  assert (out.aux_loss is None) == (ref.aux_loss is None) == (name != "mom")
+  if name == "mom":
+    np.testing.assert_allclose(out.aux_loss, ref.aux_loss, rtol=1e-6)
+  grads = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply(v, x).y ** 2)))(variables)
+  leaves = jax.tree.leaves(nn.meta.unbox(grads))
+  assert leaves and sum(float(jnp.abs(g).max() > 0) for g in leaves) >= len(leaves) // 2
 
 
 def test_language_model_wrapper_matches_nnx():

@@ -1,0 +1,184 @@
+r"""Where one training step's device time goes: per source file and pass.
+
+    python -m experiments.profile_step                    # GPU: 125M SSE and GLA, T = 2K, 32K
+    python -m experiments.profile_step --size=tiny --lengths=64 --tokens=256 --reps=2
+
+For each (variant, T) it builds the trainer's own step exactly as
+`experiments.throughput` times it (forward, backward, clipping, AdamW; bf16 compute,
+fp32 parameters, `impl="auto"`), runs it once to compile and warm up, then records a
+profiler trace of `--reps` steps and sums the device time of every compiled HLO op
+(`traces.device_ms_by_op`). Each op is attributed through the metadata JAX attached to
+it (`traces.hlo_sources`): the Python file that emitted it (`sse_jax/layers/router.py`,
+`pallas_kernels/chunk_gla.py`, `optax/...`) and the pass: forward, backward (a
+transposed op) or optimizer. Ops XLA created without a source (copies, layout changes,
+collectives) are listed as "(no source)". A fusion counts for the file of its root
+instruction, so a matmul fused into an elementwise epilogue goes to the epilogue's
+file: read the per-op list in the JSON for such cases.
+
+Writes <out>/profile_step.json (per point: step ms by wall clock, traced device ms, and
+every op with its ms, file, line and pass), profile_step.md (ms per file and pass, per
+point, largest first) and profile_step.png (one stacked bar per point).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import shlex
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from experiments import throughput
+from experiments import traces
+
+FLAGS = flags.FLAGS
+PHASES = ("forward", "backward", "optimizer")
+NO_SOURCE = "(no source)"
+
+
+def define_flags() -> None:
+  """This tool's flags (defined when it runs, beside `experiments.throughput`'s names)."""
+  throughput.define_point_flags(["sse", "gla"], ["2048", "32768"], 32768,
+                                "results/profile_step")
+  flags.DEFINE_integer("reps", 5, "Traced steps (device time is their mean).")
+  flags.DEFINE_integer("steps", 5, "Wall-clock timed steps before tracing (median).")
+  flags.DEFINE_integer("top", 25, "Files listed per point in the markdown table.")
+
+
+def breakdown(times: dict[str, float], sources: dict[str, traces.Source]) -> list[dict]:
+  """Per-op rows {op, ms, file, line, phase} of a trace: `times` {HLO op: ms} joined with
+  the compiled module's `sources`; an op without metadata gets file NO_SOURCE."""
+  rows = []
+  for op, ms in times.items():
+    src = sources.get(op)
+    rows.append(dict(op=op, ms=ms, file=(src.file if src and src.file else NO_SOURCE),
+                     line=src.line if src else 0,
+                     phase=src.phase if src else "unknown"))
+  return rows
+
+
+def by_file(ops: list[dict]) -> list[tuple[str, dict[str, float]]]:
+  """[(file, {phase: ms, "total": ms})] from per-op rows, largest total first."""
+  table = collections.defaultdict(lambda: collections.Counter())
+  for r in ops:
+    table[r["file"]][r["phase"]] += r["ms"]
+    table[r["file"]]["total"] += r["ms"]
+  return sorted(((f, dict(c)) for f, c in table.items()), key=lambda fc: -fc[1]["total"])
+
+
+def profile(variant: str, length: int) -> dict:
+  """One point: wall-clock step time, then the traced device time by op and file."""
+  program, batch, local = throughput.build_point(variant, length)
+  with jax.set_mesh(program.mesh):
+    holder = [program.init()]
+    data = program.global_batch(local)
+    hlo = program.train_step.lower(holder[0], data).compile().as_text()
+
+    def run():  # the state is donated: thread it through
+      holder[0], metrics = program.train_step(holder[0], data)
+      jax.block_until_ready(metrics)
+
+    run()  # compile, autotune
+    wall = []
+    for _ in range(FLAGS.steps):
+      t0 = time.perf_counter()
+      run()
+      wall.append(time.perf_counter() - t0)
+    times = traces.device_ms_by_op(run, FLAGS.reps)
+  ops = breakdown(times, traces.hlo_sources(hlo))
+  return dict(variant=variant, length=length, batch=batch, step_ms=statistics.median(wall) * 1e3,
+              device_ms=sum(times.values()), ops=ops)
+
+
+def markdown(meta: dict, points: list[dict], top: int) -> str:
+  lines = [f"Command: `{meta['command']}` on {meta['device']} (jax {meta['jax']})", ""]
+  for p in points:
+    if "error" in p:
+      lines += [f"## {p['variant']}, T = {p['length']}: {p['error']}", ""]
+      continue
+    total = p["device_ms"]
+    lines += [f"## {p['variant']}, T = {p['length']}, batch {p['batch']}: step "
+              f"{p['step_ms']:.1f} ms wall clock, {total:.1f} ms traced device time", "",
+              "| file | forward ms | backward ms | optimizer ms | total ms | share |",
+              "|---|---|---|---|---|---|"]
+    rows = by_file(p["ops"])
+    for f, c in rows[:top]:
+      cells = " | ".join(f"{c.get(ph, 0.0):.2f}" for ph in PHASES)
+      lines.append(f"| {f} | {cells} | {c['total']:.2f} | {c['total'] / total:.1%} |")
+    rest = sum(c["total"] for _, c in rows[top:])
+    if rest:
+      lines.append(f"| {len(rows) - top} more files | | | | {rest:.2f} | {rest / total:.1%} |")
+    phases = collections.Counter()
+    for r in p["ops"]:
+      phases[r["phase"]] += r["ms"]
+    lines += ["", "By pass: " + ", ".join(f"{ph} {ms:.1f} ms ({ms / total:.0%})"
+                                          for ph, ms in phases.most_common()), ""]
+  return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], path: pathlib.Path, top: int = 8) -> None:
+  """One stacked bar per point: the `top` largest files overall, the rest as "other"."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  points = [p for p in points if "error" not in p]
+  overall = collections.Counter()
+  for p in points:
+    for f, c in by_file(p["ops"]):
+      overall[f] += c["total"]
+  names = [f for f, _ in overall.most_common(top)]
+  fig, ax = plt.subplots(figsize=(2 + 1.4 * len(points), 4.5))
+  bottom = np.zeros(len(points))
+  for name in names + ["other"]:
+    ms = np.array([sum(c["total"] for f, c in by_file(p["ops"])
+                       if (f == name) or (name == "other" and f not in names))
+                   for p in points])
+    ax.bar(range(len(points)), ms, bottom=bottom, label=name)
+    bottom += ms
+  ax.set_xticks(range(len(points)), [f"{p['variant']}\nT={p['length']}" for p in points])
+  ax.set_ylabel("device ms per training step")
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  out = pathlib.Path(FLAGS.out)
+  out.mkdir(parents=True, exist_ok=True)
+  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, size=FLAGS.size,
+              tokens_per_step=FLAGS.tokens, impl=FLAGS.impl, reps=FLAGS.reps,
+              command=shlex.join(["python", "-m", "experiments.profile_step", *sys.argv[1:]]))
+  points = []
+  for length in (int(t) for t in FLAGS.lengths):
+    for variant in FLAGS.variants:
+      print(f"profiling {variant} at T = {length}", flush=True)
+      try:
+        point = profile(variant, length)
+      except Exception as e:  # e.g. out of memory: record it and go on
+        point = dict(variant=variant, length=length, error=f"{type(e).__name__}: {e}"[:300])
+      points.append(point)
+      if "error" not in point:
+        print(f"  step {point['step_ms']:.1f} ms, traced {point['device_ms']:.1f} ms",
+              flush=True)
+      (out / "profile_step.json").write_text(json.dumps(dict(meta=meta, points=points),
+                                                        indent=1))
+  text = markdown(meta, points, FLAGS.top)
+  (out / "profile_step.md").write_text(text)
+  print(text)
+  if any("error" not in p for p in points):
+    plot(points, out / "profile_step.png")
+  if any("error" in p for p in points):
+    raise SystemExit(f"{sum('error' in p for p in points)} points failed (see above)")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
