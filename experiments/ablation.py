@@ -198,10 +198,7 @@ def write_report(cfg, jobs: list[sweep.Job], root: pathlib.Path, command: str) -
   try:
     report.write_tables(cfg, rows, root, command)
     plots.plot(cfg, rows, root / f"{cfg.name}.png")
-    lines = verdict.verdict(cfg, rows, root / "results.md", root / f"{cfg.name}.png")
-    if lines:
-      with open(root / "results.md", "a") as f:
-        f.write("\n".join(["", "## Verdict", "", *lines]) + "\n")
+    verdict.append_to_report(cfg, rows, root)
   except OSError as e:
     # A full or read-only disk: the runs are trained, so say where writing failed and
     # still print one line per run rather than dying in a traceback.

@@ -43,6 +43,7 @@ from experiments import ablation  # pylint: disable=unused-import (defines --con
 from experiments import plots
 from experiments import report
 from experiments import sweep
+from experiments import verdict
 from sse_jax.train import config as config_lib
 
 FLAGS = flags.FLAGS
@@ -213,6 +214,7 @@ def main(argv):
   command = shlex.join(["python", "-m", "experiments.merge_reports", *sys.argv[1:]])
   report.write_tables(cfg, rows, out, command)
   plots.plot(cfg, rows, out / f"{cfg.name}.png")
+  verdict.append_to_report(cfg, rows, out)
   merged = {row["run"] for row in rows}
   missing = [r["name"] for r in cfg.runs if r["name"] not in merged]
   lines = ["", "Sources (each row is that report's row; its command trained it):", ""]

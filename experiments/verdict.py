@@ -114,3 +114,13 @@ def verdict(cfg, rows: list[Row], report_md: pathlib.Path, figure: pathlib.Path
   return ([f"Compared: {what}; mean ± std (ddof = 0) over seeds.", "",
            control_gap(rows, controls, pairs)] + sse_vs_gla(rows, pairs)
           + [f"- Report: {report_md}; figure: {figure}."])
+
+
+def append_to_report(cfg, rows: list[Row], root: pathlib.Path) -> list[str]:
+  """Appends the verdict (when cfg has `controls`) to root/results.md under a
+  "## Verdict" heading, as the runner and the merged reports end; returns its lines."""
+  lines = verdict(cfg, rows, root / "results.md", root / f"{cfg.name}.png")
+  if lines:
+    with open(root / "results.md", "a") as f:
+      f.write("\n".join(["", "## Verdict", "", *lines]) + "\n")
+  return lines

@@ -96,10 +96,12 @@ def test_borrow_accepts_the_same_model_and_refuses_another(tmp_path):
 
 
 def test_cli_writes_the_report_with_its_sources(tmp_path):
-  a = _report(tmp_path / "a", "fig7_cpu", [_row("N1_k1", N1, 8, True, [0.5, 0.6])],
-              _command())
-  b = _report(tmp_path / "b", "fig7_cpu", [_row("N4_k1", N4, 8, True, [0.7, 0.8])],
-              _command())
+  gla = lambda dk, values: _row(f"GLA_dk{dk}", dict(family="gla", key_dim=dk), 8, True,
+                                values)
+  a = _report(tmp_path / "a", "fig7_cpu", [_row("N1_k1", N1, 8, True, [0.5, 0.6]),
+                                           gla(4, [0.1, 0.2])], _command())
+  b = _report(tmp_path / "b", "fig7_cpu", [_row("N4_k1", N4, 8, True, [0.7, 0.8]),
+                                           gla(32, [0.9, 1.0])], _command())
   out = tmp_path / "out"
   cmd = [sys.executable, "-m", "experiments.merge_reports", "--config=configs/fig7.py:cpu",
          "--config.train.num_steps=8", "--config.lrs=(0.003,)", "--config.seeds=(0, 1)",
@@ -108,10 +110,14 @@ def test_cli_writes_the_report_with_its_sources(tmp_path):
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   merged = json.loads((out / "results.json").read_text())
   assert [(r["run"], r["values"]) for r in merged["rows"]] == [
-      ("N1_k1", [0.5, 0.6]), ("N4_k1", [0.7, 0.8])]
+      ("GLA_dk4", [0.1, 0.2]), ("GLA_dk32", [0.9, 1.0]), ("N1_k1", [0.5, 0.6]),
+      ("N4_k1", [0.7, 0.8])]
   md = (out / "results.md").read_text()
   assert f"- N4_k1: `{b}`, run N4_k1, step 8" in md
-  assert "Not in any report: GLA_dk4, GLA_dk8, GLA_dk32, N8_k2" in md
+  assert "Not in any report: GLA_dk8, N8_k2" in md
+  # The controls come from two sources, and the merged report still gives their verdict.
+  verdict = md[md.index("## Verdict"):]
+  assert "gap +0.800, min_gap 0.200 -> capacity-bound: yes" in verdict
   assert (out / "fig7_cpu.png").stat().st_size > 0
   bad = subprocess.run(cmd[:-2] + [f"--reports={a}", "--config.train.num_steps=9",
                                    f"--out={out}"], capture_output=True, text=True,
