@@ -21,7 +21,8 @@ share the GPU's memory pools). Needs torch with CUDA and `fla` (flash-linear-att
           docs/design.md, section 7.)
 The delta-rule rows take L2-normalised keys (our ops do not normalise: the same
 numbers either way), one log decay per head (logsigmoid / 16) and beta = sigmoid(N(0, 1)),
-as bench_ops' gdn / sse_gdn rows do. With --gdn_only only those rows are measured.
+as bench_ops' gdn / sse_gdn rows do. --ops names the ops measured (bench_ops passes the
+ones it measures itself: fla's first call of each op autotunes for minutes).
 Same setting and timing rule as bench_ops: bf16, cu_seqlens = [0, L/2, L], median of
 CUDA-event-timed forward+backward runs after warm-up.
 """
@@ -37,6 +38,7 @@ import time
 
 _T0 = time.perf_counter()
 # Inputs whose gradients the timed backward computes (the shared partition's q', k' too).
+OPS = ("gla", "sse", "gdn", "sse_gdn")  # the ops this peer benchmark has rows for
 GRAD_NAMES = ("q", "k", "v", "g", "w", "q0", "k0", "kn", "k0n", "gh", "beta")
 
 
@@ -54,9 +56,13 @@ def main():
   parser.add_argument("--dim", type=int, default=128)
   parser.add_argument("--top_k", type=int, default=1)
   parser.add_argument("--reps", type=int, default=20)
-  parser.add_argument("--gdn_only", action="store_true",
-                      help="only the delta-rule rows (chunk_gated_delta_rule, gdn_varlen)")
+  parser.add_argument("--ops", default=",".join(OPS),
+                      help=f"comma-separated subset of {','.join(OPS)}: the ops measured")
   args = parser.parse_args()
+  ops = args.ops.split(",") if args.ops else []
+  unknown = [op for op in ops if op not in OPS]
+  if unknown or not ops:
+    parser.error(f"--ops={args.ops!r}: choose from {','.join(OPS)}")
 
   _progress("importing torch")
   import torch  # pylint: disable=g-import-not-at-top
@@ -184,11 +190,12 @@ def main():
     tmp = pathlib.Path(args.out + ".tmp")  # then renamed: a kill never leaves half a file
     tmp.write_text(json.dumps(dict(rows=rows), indent=1))
     tmp.replace(args.out)
-  dense_ops = (("gdn", "chunk_gated_delta_rule", dense_gdn),)
-  sse_ops = (("sse_gdn", "authors_gdn_varlen", gdn_varlen),)
-  if not args.gdn_only:
-    dense_ops = (("gla", "chunk_gla", dense),) + dense_ops
-    sse_ops = (("sse", "fla_mask", mask), ("sse", "fla_varlen", varlen)) + sse_ops
+  dense_ops = tuple(o for o in (("gla", "chunk_gla", dense),
+                                 ("gdn", "chunk_gated_delta_rule", dense_gdn))
+                    if o[0] in ops)
+  sse_ops = tuple(o for o in (("sse", "fla_mask", mask), ("sse", "fla_varlen", varlen),
+                              ("sse_gdn", "authors_gdn_varlen", gdn_varlen))
+                  if o[0] in ops)
   for length in (int(v) for v in args.lengths.split(",")):
     x = inputs(length, 4)
     for op, name, fn in dense_ops:

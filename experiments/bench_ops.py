@@ -171,6 +171,13 @@ def errors(op, impl, n, x):
   return out
 
 
+def peer_ops() -> list[str]:
+  """The ops this run measures (those with impls), which the fla peer run measures too."""
+  impls = dict(gla=FLAGS.gla_impls, sse=FLAGS.sse_impls, gdn=FLAGS.gdn_impls,
+               sse_gdn=FLAGS.sse_gdn_impls)
+  return [op for op, names in impls.items() if names]
+
+
 def run_fla(out_dir):
   """Runs the PyTorch / fla peer benchmark in its own process; returns its rows."""
   try:
@@ -184,7 +191,7 @@ def run_fla(out_dir):
   cmd = [sys.executable, "-m", "experiments.bench_fla", f"--out={path}",
          f"--lengths={','.join(FLAGS.lengths)}", f"--partitions={','.join(FLAGS.partitions)}",
          f"--heads={FLAGS.heads}", f"--dim={FLAGS.dim}", f"--top_k={FLAGS.top_k}",
-         f"--reps={FLAGS.reps}"]
+         f"--reps={FLAGS.reps}", f"--ops={','.join(peer_ops())}"]
   print("running", " ".join(cmd), flush=True)
   path.unlink(missing_ok=True)
   try:
@@ -326,7 +333,7 @@ def main(argv):
       for impl in FLAGS.sse_gdn_impls:
         record("sse_gdn", impl, length, n, xn)
 
-  if FLAGS.fla:
+  if FLAGS.fla and peer_ops():
     rows += run_fla(out)
 
   save(rows)

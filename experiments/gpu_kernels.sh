@@ -3,7 +3,7 @@
 #
 #     bash experiments/gpu_kernels.sh [OUT] [FLA_TIMEOUT_S] [STEPS]
 #
-# STEPS: a comma-separated subset of tests,profile,bench,trace [tests,profile,bench]. On
+# STEPS: a comma-separated subset of tests,profile,bench,trace,gdn [tests,profile,bench]. On
 # an H200 with 16 CPU cores expect roughly 4 minutes for tests (PYTEST_WORKERS [4]
 # pytest workers: 45 tests, compile-bound; 8 workers ran 41 in 99 s, and each C = 128
 # block-size case compiles for 100-140 s), 3 for
@@ -21,6 +21,10 @@
 # 4. (trace) device time per compiled HLO op of fwd + bwd of the dense op and SSE
 #    pallas_varlen (N = 4, 16) at L = 32K, from a profiler trace, with each program's
 #    HLO under OUT/hlo: what the packing around the kernels costs, fusion by fusion.
+# 5. (gdn) the delta-rule kernels: their GPU test class, then bench_ops' gdn / sse_gdn rows
+#    over the Fig. 6 grid with fla's `chunk_gated_delta_rule` and the authors' SSE-GDN op
+#    beside them (bench_fla --ops=gdn,sse_gdn), into OUT/gdn (~1 minute of tests on an
+#    H100, ~15 s of compiling per Pallas row, plus fla's autotuning).
 # Everything lands in OUT [results/bench_ops], with the logs test_pallas.log,
 # profile_kernels.log, bench.log and trace.log. Exits non-zero when a step failed.
 set -u
@@ -63,5 +67,20 @@ python3 -m experiments.profile_kernels --nokernels --length=32768 --reps=5 \
     --trace_partitions=0,4,16 --hlo_dir="$OUT/hlo" --out="$OUT/trace.json" \
     > "$OUT/trace.log" 2>&1 || FAILED="$FAILED trace"
 grep -A12 "^trace" "$OUT/trace.log"
+fi
+if [[ $STEPS == *,gdn,* ]]; then
+mkdir -p "$OUT/gdn"
+XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rfE -p no:cacheprovider \
+    --durations=8 tests/test_pallas_gdn.py::TestPallasGdnGPU \
+    tests/test_pallas_gdn.py::test_kernels_lower_for_cuda \
+    tests/test_pallas_gdn.py::test_auto_and_plans_for_the_delta_rule_ops \
+    > "$OUT/gdn/test_pallas_gdn.log" 2>&1 || FAILED="$FAILED gdn-tests"
+echo "gdn tests: $(tail -n 1 "$OUT/gdn/test_pallas_gdn.log")"
+python3 -m experiments.bench_ops --lengths=32768,8192,2048 --partitions=4,8,16 \
+    --gla_impls= --sse_impls= --gdn_impls=chunk,pallas_chunk \
+    --sse_gdn_impls=pallas_varlen,pallas_masking,varlen --check_length=2048 --reps=10 \
+    --time_fwd=false --fla_timeout="$FLA_TIMEOUT" --out="$OUT/gdn" \
+    > "$OUT/gdn/bench.log" 2>&1 || FAILED="$FAILED gdn-bench"
+grep -E "^(gdn|sse_gdn|fla)" "$OUT/gdn/bench.log"
 fi
 if [ -n "$FAILED" ]; then echo "failed:$FAILED (see the logs in $OUT)" >&2; exit 1; fi
