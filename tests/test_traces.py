@@ -138,6 +138,8 @@ def test_profile_step_runs_the_trainers_step_and_accounts_for_its_time(tmp_path)
       capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   point = json.loads((tmp_path / "profile_step.json").read_text())["points"][0]
+  assert point["init_s"] > 0 and point["compile_s"] > 0
+  assert "state created in" in proc.stdout
   files = dict(profile_step.by_file(point["ops"]))
   assert abs(sum(c["total"] for c in files.values()) - point["device_ms"]) < 1e-6
   phases = {(r["file"], r["phase"]) for r in point["ops"]}
