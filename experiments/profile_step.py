@@ -84,22 +84,22 @@ def profile(variant: str, length: int) -> dict:
     print(f"  state created in {init_s:.1f} s (compiling included)", flush=True)
     data = program.global_batch(local)
     t0 = time.perf_counter()
-    hlo = program.train_step.lower(holder[0], data).compile().as_text()
+    step = program.train_step.lower(holder[0], data).compile()
     compile_s = time.perf_counter() - t0
     print(f"  step compiled in {compile_s:.1f} s", flush=True)
 
-    def run():  # the state is donated: thread it through
-      holder[0], metrics = program.train_step(holder[0], data)
+    def run():  # the compiled step itself (jit would compile it again); the state is
+      holder[0], metrics = step(holder[0], data)  # donated: thread it through
       jax.block_until_ready(metrics)
 
-    run()  # compile, autotune
+    run()  # warm-up
     wall = []
     for _ in range(FLAGS.steps):
       t0 = time.perf_counter()
       run()
       wall.append(time.perf_counter() - t0)
     times = traces.device_ms_by_op(run, FLAGS.reps)
-  ops = breakdown(times, traces.hlo_sources(hlo))
+  ops = breakdown(times, traces.hlo_sources(step.as_text()))
   return dict(variant=variant, length=length, batch=batch, step_ms=statistics.median(wall) * 1e3,
               device_ms=sum(times.values()), init_s=init_s, compile_s=compile_s, ops=ops)
 
@@ -138,17 +138,18 @@ def plot(points: list[dict], path: pathlib.Path, top: int = 8) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   points = [p for p in points if "error" not in p]
+  tables = [by_file(p["ops"]) for p in points]
   overall = collections.Counter()
-  for p in points:
-    for f, c in by_file(p["ops"]):
+  for table in tables:
+    for f, c in table:
       overall[f] += c["total"]
   names = [f for f, _ in overall.most_common(top)]
   fig, ax = plt.subplots(figsize=(2 + 1.4 * len(points), 4.5))
   bottom = np.zeros(len(points))
   for name in names + ["other"]:
-    ms = np.array([sum(c["total"] for f, c in by_file(p["ops"])
+    ms = np.array([sum(c["total"] for f, c in table
                        if (f == name) or (name == "other" and f not in names))
-                   for p in points])
+                   for table in tables])
     ax.bar(range(len(points)), ms, bottom=bottom, label=name)
     bottom += ms
   ax.set_xticks(range(len(points)), [f"{p['variant']}\nT={p['length']}" for p in points])
