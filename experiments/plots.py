@@ -170,12 +170,12 @@ VARIANT_MARKERS = {"dense": "o", "dense-softmax": "^", "top-k": "s"}
 def vs_width(cfg, rows: Rows, axes) -> None:
   """Fig. 9 (labels width, variant, gap): the metric against model width, one line per
   variant present ("dense", "dense-softmax", "top-k", then any other) and gap kind
-  (zero solid, noise dashed)."""
+  (none dotted, zero solid, noise dashed)."""
   del cfg
   (ax,) = axes
   present = {r["labels"].get("variant") for r in rows} - {None}
   variants = [v for v in VARIANT_MARKERS if v in present] + sorted(present - set(VARIANT_MARKERS))
-  for gap, style in (("zero", "-"), ("noise", "--")):
+  for gap, style in (("none", ":"), ("zero", "-"), ("noise", "--")):
     for variant in variants:
       marker = VARIANT_MARKERS.get(variant, "D")
       mine = sorted((r for r in rows if r["labels"].get("gap") == gap

@@ -80,7 +80,7 @@ def build(config) -> Program:
   jit_init = jax.jit(init, out_shardings=state_sharding)
 
   def sharded_init() -> state_lib.TrainState:
-    with nnx.use_eager_sharding(False):
+    with nnx.use_eager_sharding(False), state_lib.rng_kernel_lowering():
       return jit_init()
 
   train_step = steps.make_train_step(graphdef, tx, optim.schedule(config), state_sharding,

@@ -17,6 +17,8 @@ the schedule count are replicated; batches are split along "data" on their first
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, NamedTuple
 
 import jax
@@ -82,6 +84,28 @@ def state_shardings(tx: optax.GradientTransformation, abstract_state: TrainState
       transform_non_params=lambda _: replicated,
       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   return TrainState(step=replicated, params=params_sharding, opt_state=opt, rng=replicated)
+
+
+@contextlib.contextmanager
+def rng_kernel_lowering(enabled: bool = True):
+  """Lowers jax.random's threefry draws to one GPU kernel call each while active.
+
+  By default XLA inlines every draw's hash rounds into its own fusion; an initialiser
+  makes hundreds of draws, and compiling them all is what made a 125M model's
+  `jit(init_state)` take minutes on the GPU (`python -m experiments.init_compile`
+  measures both lowerings). The kernel computes the same threefry2x32 bits. No effect
+  on CPU, or where the installed JAX has no such option.
+  """
+  name = "jax_threefry_gpu_kernel_lowering"
+  before = getattr(jax.config, name, None)
+  if before is None:
+    yield
+    return
+  jax.config.update(name, enabled)
+  try:
+    yield
+  finally:
+    jax.config.update(name, before)
 
 
 def init_state(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int,
