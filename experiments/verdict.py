@@ -9,8 +9,9 @@ The experiment config names its controls:
 two runs of one family at a small and a large state, and the least accuracy gap (a
 fraction) between them for the task to count as capacity-bound at this size. The lines
 say (a) the control gap and whether it reaches min_gap; (b) for every SSE row, how it
-compares with the GLA rows of the same active and of the same total state floats; (c)
-where the report and figure are. The compared number is the accuracy on the test set of
+compares with the GLA rows of the same active and of the same total state floats, and,
+where rows carry a `variant` label (Fig. 9's key maps), every variant against the
+"dense" row of the same width and gap; (c) where the report and figure are. The compared number is the accuracy on the test set of
 the largest pair count P any row evaluated (the rows' metric where none has by_pairs),
 mean ± std over seeds; only numbers in the rows are used, and what is missing is said.
 """
@@ -74,12 +75,37 @@ def _against(sse: Row, s_stats, gla_rows: list[Row], key: str, pairs: str | None
     if g_stats is None:
       lines.append(f"  - equal {what} state ({state:,}): GLA {g['run']} has no value.")
       continue
-    diff = s_stats[0] - g_stats[0]
-    spread = max(s_stats[1], g_stats[1])
-    said = "separated" if abs(diff) > spread else "within seed spread"
-    note = "; one seed: no spread measured" if min(s_stats[2], g_stats[2]) < 2 else ""
     lines.append(f"  - equal {what} state ({state:,}): {_text('GLA ' + g['run'], g_stats)};"
-                 f" SSE - GLA {diff:+.3f}, larger seed std {spread:.3f} -> {said}{note}.")
+                 f" SSE - GLA {_difference(s_stats, g_stats)}.")
+  return lines
+
+
+def _difference(a: tuple[float, float, int], b: tuple[float, float, int]) -> str:
+  """a - b, and whether it exceeds the larger of the two seed stds."""
+  diff, spread = a[0] - b[0], max(a[1], b[1])
+  said = "separated" if abs(diff) > spread else "within seed spread"
+  note = "; one seed: no spread measured" if min(a[2], b[2]) < 2 else ""
+  return f"{diff:+.3f}, larger seed std {spread:.3f} -> {said}{note}"
+
+
+def variants_vs_dense(rows: list[Row], pairs: str | None) -> list[str]:
+  """(b'): in sweeps whose rows carry a `variant` label (Fig. 9's key maps), every other
+  variant against the "dense" row with the same other labels (width, gap, ...)."""
+  rest = lambda r: tuple(sorted((k, v) for k, v in r["labels"].items() if k != "variant"))
+  dense = {rest(r): r for r in rows if r["labels"].get("variant") == "dense"}
+  lines = []
+  for r in rows:
+    variant = r["labels"].get("variant")
+    base = dense.get(rest(r))
+    if variant in (None, "dense") or base is None:
+      continue
+    where = ", ".join(f"{k}={v}" for k, v in rest(r) if k != "family")
+    stats, base_stats = _stats(r, pairs), _stats(base, pairs)
+    if stats is None or base_stats is None:
+      lines.append(f"- {where}: {variant} or dense has no value.")
+      continue
+    lines.append(f"- {where}: {_text(variant, stats)} vs {_text('dense', base_stats)}:"
+                 f" {variant} - dense {_difference(stats, base_stats)}.")
   return lines
 
 
@@ -113,7 +139,7 @@ def verdict(cfg, rows: list[Row], report_md: pathlib.Path, figure: pathlib.Path
           if pairs else f"the metric `{cfg.metric}` (no row has accuracy by pair count)")
   return ([f"Compared: {what}; mean ± std (ddof = 0) over seeds.", "",
            control_gap(rows, controls, pairs)] + sse_vs_gla(rows, pairs)
-          + [f"- Report: {report_md}; figure: {figure}."])
+          + variants_vs_dense(rows, pairs) + [f"- Report: {report_md}; figure: {figure}."])
 
 
 def append_to_report(cfg, rows: list[Row], root: pathlib.Path) -> list[str]:

@@ -222,3 +222,23 @@ def test_vs_width_draws_each_variant_and_unknown_figures_are_refused(rows):
   cfg.figure = "vs_nothing"
   with pytest.raises(ValueError, match="unknown figure 'vs_nothing'; known: bars, capacity"):
     plots.plot(cfg, rows, "unused.png")
+
+
+def test_verdict_compares_each_key_map_with_dense_keys_of_the_same_width_and_gap():
+  def row(run, variant, width, gap, values):
+    return dict(run=run, labels=dict(family="gla", variant=variant, width=width, gap=gap),
+                values=values, accuracy_by_pairs={"16": values})
+  rows = [row("none_dense_d64", "dense", 64, "none", [0.1, 0.2]),
+          row("none_dense_d512", "dense", 512, "none", [0.8, 0.7]),
+          row("noise_dense_d512", "dense", 512, "noise", [0.82, 0.01]),
+          row("noise_top-k_d512", "top-k", 512, "noise", [0.57, 0.98]),
+          row("zero_top-k_d512", "top-k", 512, "zero", [0.3, 0.4]),   # no dense row
+          row("noise_top-k_d64", "top-k", 64, "noise", [0.9, 0.92])]  # no dense row
+  lines = verdict.variants_vs_dense(rows, "16")
+  assert lines == ["- gap=noise, width=512: top-k 0.775 ± 0.205 (2 seeds) vs dense 0.415 ± "
+                   "0.405 (2 seeds): top-k - dense +0.360, larger seed std 0.405 -> within "
+                   "seed spread."]
+  rows[2] = row("noise_dense_d512", "dense", 512, "noise", [0.02, 0.01])
+  assert verdict.variants_vs_dense(rows, "16")[0].endswith("-> separated.")
+  assert verdict.variants_vs_dense([r for r in rows if r["labels"]["variant"] == "dense"],
+                                   "16") == []
