@@ -18,6 +18,7 @@ mean ± std over seeds; only numbers in the rows are used, and what is missing i
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -91,13 +92,15 @@ def _difference(a: tuple[float, float, int], b: tuple[float, float, int]) -> str
 def variants_vs_dense(rows: list[Row], pairs: str | None) -> list[str]:
   """(b'): in sweeps whose rows carry a `variant` label (Fig. 9's key maps), every other
   variant against the "dense" row with the same other labels (width, gap, ...)."""
-  rest = lambda r: tuple(sorted((k, v) for k, v in r["labels"].items() if k != "variant"))
-  dense = {rest(r): r for r in rows if r["labels"].get("variant") == "dense"}
+  rest = lambda r: sorted((k, v) for k, v in r["labels"].items() if k != "variant")
+  key = lambda r: json.dumps(rest(r), default=str)  # label values may be lists
+  with_variant = [r for r in rows if r["labels"].get("variant") is not None]
+  dense = {key(r): r for r in with_variant if r["labels"]["variant"] == "dense"}
   lines = []
-  for r in rows:
-    variant = r["labels"].get("variant")
-    base = dense.get(rest(r))
-    if variant in (None, "dense") or base is None:
+  for r in with_variant:
+    variant = r["labels"]["variant"]
+    base = dense.get(key(r))
+    if variant == "dense" or base is None:
       continue
     where = ", ".join(f"{k}={v}" for k, v in rest(r) if k != "family")
     stats, base_stats = _stats(r, pairs), _stats(base, pairs)

@@ -233,12 +233,14 @@ def test_verdict_compares_each_key_map_with_dense_keys_of_the_same_width_and_gap
           row("noise_dense_d512", "dense", 512, "noise", [0.82, 0.01]),
           row("noise_top-k_d512", "top-k", 512, "noise", [0.57, 0.98]),
           row("zero_top-k_d512", "top-k", 512, "zero", [0.3, 0.4]),   # no dense row
-          row("noise_top-k_d64", "top-k", 64, "noise", [0.9, 0.92])]  # no dense row
+          row("noise_top-k_d64", "top-k", 64, "noise", [0.9, 0.92]),  # no dense row
+          dict(run="N4_k1", labels=dict(family="sse", line=["k=1"]), values=[0.3, 0.4],
+               accuracy_by_pairs={"16": [0.3, 0.4]})]  # no variant; a list label
   lines = verdict.variants_vs_dense(rows, "16")
   assert lines == ["- gap=noise, width=512: top-k 0.775 ± 0.205 (2 seeds) vs dense 0.415 ± "
                    "0.405 (2 seeds): top-k - dense +0.360, larger seed std 0.405 -> within "
                    "seed spread."]
   rows[2] = row("noise_dense_d512", "dense", 512, "noise", [0.02, 0.01])
   assert verdict.variants_vs_dense(rows, "16")[0].endswith("-> separated.")
-  assert verdict.variants_vs_dense([r for r in rows if r["labels"]["variant"] == "dense"],
+  assert verdict.variants_vs_dense([r for r in rows if r["labels"].get("variant") == "dense"],
                                    "16") == []
