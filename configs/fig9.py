@@ -95,12 +95,13 @@ def get_config(arg=None):
     widths = (s.widths[0], s.widths[-1]) if gap_mode == "none" else s.widths
     variants = VARIANTS[:1] if gap_mode == "none" else VARIANTS
     for width in widths:
+      dk = width // s.key_divisor
       for name, key in variants:
-        gla = common.gla_mixer(s, key_activation=key, key_dim=width // s.key_divisor)
+        gla = common.gla_mixer(s, key_activation=key, key_dim=dk)
         model = common.model(s, "G" * s.layers, hidden=width, gla=gla)
         runs.append(common.run(f"{gap_mode}_{name}_d{width}",
                                dict(family="gla", width=width, variant=name, gap=gap_mode,
-                                    key_dim=width // s.key_divisor),
+                                    key_dim=dk),
                                model=model, data=data, eval_data=eval_data))
   narrow, wide = s.widths[0], s.widths[-1]
   cfg = common.experiment(

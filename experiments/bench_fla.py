@@ -42,7 +42,7 @@ OPS = ("gla", "sse", "gdn", "sse_gdn")  # the ops this peer benchmark has rows f
 GRAD_NAMES = ("q", "k", "v", "g", "w", "q0", "k0", "kn", "k0n", "gh", "beta")
 
 
-def _progress(msg):
+def progress(msg):
   """Timestamped progress on stderr: fla's first calls compile and autotune for minutes."""
   print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
@@ -64,13 +64,13 @@ def main():
   if unknown or not ops:
     parser.error(f"--ops={args.ops!r}: choose from {','.join(OPS)}")
 
-  _progress("importing torch")
+  progress("importing torch")
   import torch  # pylint: disable=g-import-not-at-top
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
-  _progress(f"importing fla (torch {torch.__version__})")
+  progress(f"importing fla (torch {torch.__version__})")
   from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pylint: disable=g-import-not-at-top
   from fla.ops.gla import chunk_gla  # pylint: disable=g-import-not-at-top
-  _progress("fla imported")
+  progress("fla imported")
 
   dev = "cuda"
   h, d, top_k = args.heads, args.dim, args.top_k
@@ -164,7 +164,7 @@ def main():
     return out[None]
 
   def time_fb(fn, x, n):
-    _progress(f"{fn.__name__} L={x['q'].shape[1]} N={n}: first calls (compile, autotune)")
+    progress(f"{fn.__name__} L={x['q'].shape[1]} N={n}: first calls (compile, autotune)")
 
     def run():
       for name in GRAD_NAMES:

@@ -41,14 +41,11 @@ import sys
 import time
 import types
 
-_T0 = time.perf_counter()
+from experiments.bench_fla import progress
+
 VARIANTS = ("gla", "sse")
 SIZES = {"125m": dict(layers=12, hidden=768, heads=6, mlp=2048)}  # throughput's 125m
 AUX_LOSS_COEF = 0.01  # ours (ModelConfig.aux_loss_coef)
-
-
-def _progress(msg: str) -> None:
-  print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def load_layer(module: str):
@@ -160,7 +157,7 @@ def measure(variant: str, length: int, args) -> dict:
   for i in range(args.warmup):
     loss = step()
     torch.cuda.synchronize()
-    _progress(f"{variant} T={length}: warm-up step {i + 1}/{args.warmup} "
+    progress(f"{variant} T={length}: warm-up step {i + 1}/{args.warmup} "
               f"({time.perf_counter() - t0:.0f} s, loss {loss.item():.3f})")
   warmup_s = time.perf_counter() - t0
   torch.cuda.reset_peak_memory_stats()
@@ -196,7 +193,7 @@ def main():
     parser.error(f"--variants={args.variants!r}: choose from {','.join(VARIANTS)}")
   lengths = [int(t) for t in args.lengths.split(",")]
 
-  _progress("importing torch")
+  progress("importing torch")
   import torch  # pylint: disable=g-import-not-at-top
   import fla  # pylint: disable=g-import-not-at-top
   out = pathlib.Path(args.out)
@@ -206,7 +203,7 @@ def main():
                 fla=getattr(fla, "__version__", "?"), rows=[])
   for length in lengths:
     for variant in variants:
-      _progress(f"{variant} T={length}: building")
+      progress(f"{variant} T={length}: building")
       try:
         row = measure(variant, length, args)
       except Exception as e:  # e.g. out of memory, or the authors' layer missing

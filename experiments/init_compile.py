@@ -17,7 +17,6 @@ keeps what it measured) and prints one line per compile.
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import shlex
@@ -32,6 +31,7 @@ import numpy as np
 from experiments import throughput
 from sse_jax.train import config as config_lib
 from sse_jax.train import optim
+from sse_jax.train import program
 from sse_jax.train import state as state_lib
 
 FLAGS = flags.FLAGS
@@ -48,11 +48,8 @@ def define_flags() -> None:
 def initialiser(variant: str):
   """The trainer's jit(init_state) for `variant` (unsharded: one device)."""
   config = throughput.train_config(variant, batch=1)
-  model_config = config_lib.model_config(config)
-  dtypes = config_lib.DTYPES
-  return jax.jit(functools.partial(
-      state_lib.init_state, model_config, optim.optimizer(config), config.seed,
-      dtypes[config.compute_dtype], dtypes[config.param_dtype]))
+  return jax.jit(program.initialiser(config, config_lib.model_config(config),
+                                     optim.optimizer(config)))
 
 
 def measure(variant: str, lowering: bool):

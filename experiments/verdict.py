@@ -11,9 +11,10 @@ fraction) between them for the task to count as capacity-bound at this size. The
 say (a) the control gap and whether it reaches min_gap; (b) for every SSE row, how it
 compares with the GLA rows of the same active and of the same total state floats, and,
 where rows carry a `variant` label (Fig. 9's key maps), every variant against the
-"dense" row of the same width and gap; (c) where the report and figure are. The compared number is the accuracy on the test set of
-the largest pair count P any row evaluated (the rows' metric where none has by_pairs),
-mean ± std over seeds; only numbers in the rows are used, and what is missing is said.
+"dense" row of the same width and gap; (c) where the report and figure are. The
+compared number is the accuracy on the test set of the largest pair count P any row
+evaluated (the rows' metric where none has by_pairs), mean ± std over seeds; only
+numbers in the rows are used, and what is missing is said.
 """
 
 from __future__ import annotations

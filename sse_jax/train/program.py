@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -53,6 +54,15 @@ class Program(NamedTuple):
     return state_lib.abstract_with_shardings(self.abstract_state, self.state_sharding)
 
 
+def initialiser(config, model_config: ModelConfig, tx: optax.GradientTransformation
+                ) -> Callable[[], state_lib.TrainState]:
+  """`state.init_state` bound to the config's model, optimizer, seed and dtypes (what
+  `build` jits into `Program.init`)."""
+  dtypes = config_lib.DTYPES
+  return functools.partial(state_lib.init_state, model_config, tx, config.seed,
+                           dtypes[config.compute_dtype], dtypes[config.param_dtype])
+
+
 def build(config) -> Program:
   """Mesh, model, optimizer, shardings and jitted steps for a validated config."""
   mesh = state_lib.make_mesh(config.mesh.data, config.mesh.model)
@@ -64,8 +74,7 @@ def build(config) -> Program:
   dtype = config_lib.DTYPES[config.compute_dtype]
   param_dtype = config_lib.DTYPES[config.param_dtype]
   tx = optim.optimizer(config)
-  init = functools.partial(state_lib.init_state, model_config, tx, config.seed, dtype,
-                           param_dtype)
+  init = initialiser(config, model_config, tx)
   # Variables are created unsharded and placed by out_shardings: no mesh needed while
   # the model is built, and one layout rule (the logical names) for init and restore.
   with nnx.use_eager_sharding(False):
