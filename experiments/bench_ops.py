@@ -191,7 +191,8 @@ def run_fla(out_dir):
   cmd = [sys.executable, "-m", "experiments.bench_fla", f"--out={path}",
          f"--lengths={','.join(FLAGS.lengths)}", f"--partitions={','.join(FLAGS.partitions)}",
          f"--heads={FLAGS.heads}", f"--dim={FLAGS.dim}", f"--top_k={FLAGS.top_k}",
-         f"--reps={FLAGS.reps}", f"--ops={','.join(peer_ops())}"]
+         f"--reps={FLAGS.reps}", f"--ops={','.join(peer_ops())}",
+         f"--check_length={FLAGS.check_length}"]
   print("running", " ".join(cmd), flush=True)
   path.unlink(missing_ok=True)
   try:
@@ -340,6 +341,23 @@ def main(argv):
   report(rows, meta, out)
 
 
+def notes(rows) -> str:
+  """What the table cannot hold: each distinct note rows carry (which rows), and the
+  errors measured against the float32 reference."""
+  lines, seen = [], {}
+  for r in rows:
+    if r.get("note"):
+      seen.setdefault(r["note"], []).append(f"{r['source']} {r['op']} {r['impl']}")
+  for note, who in seen.items():
+    lines.append(f"- {', '.join(dict.fromkeys(who))}: {note}")
+  for r in rows:
+    if r.get("errors"):
+      errs = ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items())
+      lines.append(f"- relative error vs float32, {r['source']} {r['op']} {r['impl']} "
+                   f"L={r['length']}" + (f" N={r['n']}" if r.get("n") else "") + f": {errs}")
+  return "\n\nNotes:\n" + "\n".join(lines) if lines else ""
+
+
 def report(rows, meta, out):
   """Markdown table (with achieved bandwidth of the dense rows) and the plot."""
   # Achieved bandwidth of dense GLA: the bytes a fused fwd+bwd must move at least (read
@@ -350,7 +368,7 @@ def report(rows, meta, out):
       elems = r["length"] * meta["heads"] * meta["dim"]
       r["min_bytes"] = elems * (2 * 4 + 4) + elems * (2 * 3 + 4)
       r["achieved_GBps"] = r["min_bytes"] / (r["fwd_bwd_ms"] * 1e-3) / 1e9
-  table = markdown(rows)
+  table = markdown(rows) + notes(rows)
   (out / "bench_ops.md").write_text(
       f"Command: {_code(meta['command'])} on {meta['device']} (jax {meta['jax']})\n\n{table}\n")
   plot(rows, out / "bench_ops.png", meta)

@@ -4,6 +4,12 @@
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sse_jax import ops
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -57,3 +63,36 @@ def test_load_layer_skips_the_layers_package_init(tmp_path):
   assert first == "42"
   assert second.endswith("copy its fla/layers/sse.py and fla/ops/sse/ over the installed fla")
   assert "sse.py not found" in second
+
+
+def test_bench_fla_gdn_recurrence_matches_our_scan():
+  """The float32 recurrence fla's GDN is checked against computes what ops.gdn does."""
+  torch = pytest.importorskip("torch")
+  from experiments import bench_fla  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  t, h, dk, dv = 13, 2, 4, 3
+  q, k = rng.normal(size=(2, t, h, dk))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.normal(size=(t, h, dv))
+  g = -rng.uniform(0, 0.5, size=(t, h))
+  beta = rng.uniform(0, 1, size=(t, h))
+  bounds = [0, 5, 13]
+  got = bench_fla.gdn_recurrence(*(torch.tensor(a) for a in (q, k, v, g, beta)), bounds)
+  want, _ = ops.gdn(*(jnp.asarray(a, jnp.float32)[None] for a in (q, k, v, g, beta)),
+                    cu_seqlens=jnp.asarray(bounds), impl="scan")
+  np.testing.assert_allclose(got.numpy(), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_ops_notes_name_the_rows_and_their_errors():
+  from experiments import bench_ops  # pylint: disable=g-import-not-at-top
+  rows = [dict(source="fla (torch)", op="gdn", impl="chunk_gated_delta_rule", length=2048,
+               n=None, note="timed despite", errors={"o": 1.5e-3, "dq": 0.25}),
+          dict(source="fla (torch)", op="sse_gdn", impl="authors_gdn_varlen", length=2048,
+               n=4, note="timed despite"),
+          dict(source="sse-jax", op="gdn", impl="pallas_chunk", length=2048, n=None)]
+  text = bench_ops.notes(rows)
+  assert ("- fla (torch) gdn chunk_gated_delta_rule, fla (torch) sse_gdn authors_gdn_varlen:"
+          " timed despite") in text
+  assert "fla (torch) gdn chunk_gated_delta_rule L=2048: o 1.5e-03, dq 2.5e-01" in text
+  assert "pallas_chunk" not in text
+  assert bench_ops.notes(rows[2:]) == ""
