@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import op_setting
 from experiments.op_setting import make_inputs, parse_variant, time_fn  # pylint: disable=unused-import
 from pallas_kernels import chunk_gdn as gdn_kernels
 from pallas_kernels import chunk_gla as kernels
@@ -88,23 +89,13 @@ def with_block_sizes(impl: str, block_sizes: dict, op: str = "gla"):
   return dataclasses.replace(plan, core=ops.PallasCore(module.BlockSizes(**block_sizes)))
 
 
-def delta_inputs(x):
-  """The delta-rule inputs derived from make_inputs' dict: L2-normalised keys "kn",
-  "k0n", a per-head log decay "gh" [1, L, H] (the GLA gate's first feature) and "beta"
-  [1, L, H] = sigmoid(N(0, 1))."""
-  unit = lambda a: (a.astype(jnp.float32) / jnp.linalg.norm(
-      a.astype(jnp.float32), axis=-1, keepdims=True)).astype(a.dtype)
-  beta = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(11), x["g"].shape[:3]))
-  return dict(x, kn=unit(x["k"]), k0n=unit(x["k0"]), gh=x["g"][..., 0], beta=beta)
-
-
 def op_fn(op, impl, n):
   """(forward, forward+backward) functions of the input dict; impl a string, or a Plan
   whose Pallas tiles set the chunk size."""
   kw = {}
   if isinstance(impl, ops.Plan) and isinstance(impl.core, ops.PallasCore):
     kw["chunk_size"] = impl.core.block_sizes.chunk
-  delta = op in impl_lib.DELTA_OPS  # inputs from `delta_inputs`
+  delta = op in impl_lib.DELTA_OPS  # inputs from `op_setting.delta_inputs`
   match op:
     case "gla":
       def fwd(x, q, k, v, g, w, beta):
@@ -320,13 +311,13 @@ def main(argv):
           + (f"  err {row['errors']}" if "errors" in row else ""), flush=True)
 
   for length in lengths:
-    x = delta_inputs(make_inputs(length, max(parts), FLAGS.heads, FLAGS.dim, FLAGS.top_k))
+    x = op_setting.delta_inputs(make_inputs(length, max(parts), FLAGS.heads, FLAGS.dim, FLAGS.top_k))
     for impl in FLAGS.gla_impls:
       record("gla", impl, length, None, x)
     for impl in FLAGS.gdn_impls:
       record("gdn", impl, length, None, x)
     for n in parts:
-      xn = delta_inputs(make_inputs(length, n, FLAGS.heads, FLAGS.dim, FLAGS.top_k))
+      xn = op_setting.delta_inputs(make_inputs(length, n, FLAGS.heads, FLAGS.dim, FLAGS.top_k))
       for impl in FLAGS.sse_impls:
         if ops.Impl(impl) is ops.Impl.LOOP and length > FLAGS.loop_max_length:
           continue

@@ -31,6 +31,16 @@ def make_inputs(length, n, heads, dim, top_k, seed=0, dtype=jnp.bfloat16):
   return dict(q=q, k=k, v=v, g=g, q0=q0, k0=k0, w=w, idx=idx, cot=cot, cu=cu)
 
 
+def delta_inputs(x):
+  """The delta-rule inputs derived from make_inputs' dict: L2-normalised keys "kn",
+  "k0n", a per-head log decay "gh" [1, L, H] (the GLA gate's first feature) and "beta"
+  [1, L, H] = sigmoid(N(0, 1))."""
+  unit = lambda a: (a.astype(jnp.float32) / jnp.linalg.norm(
+      a.astype(jnp.float32), axis=-1, keepdims=True)).astype(a.dtype)
+  beta = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(11), x["g"].shape[:3]))
+  return dict(x, kn=unit(x["k"]), k0n=unit(x["k0"]), gh=x["g"][..., 0], beta=beta)
+
+
 def time_fn(fn, x, reps, warmup):
   """(median ms of `reps` runs of fn(x), compile + first-run seconds), each run ended
   by `block_until_ready`, after `warmup` untimed runs."""

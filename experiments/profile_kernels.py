@@ -20,7 +20,8 @@ the core alone on their packed shapes (`op_overhead`); `--walk_partitions=4,16` 
 the forms of the state walk on the grids of each op (`walk_grids`).
 
 `--trace_partitions=0,4,16` (with `--nokernels` to skip the rest) records a profiler
-trace of fwd + bwd of the dense op (0) and SSE (`--trace_impls`) at each N and prints
+trace of fwd + bwd of the dense op (0) and SSE (`--trace_impls`) at each N (with
+`--trace_rule=delta`: GDN and SSE-GDN) and prints
 the device time of every compiled HLO op (`traces.device_ms_by_op`): which fusions, gathers
 or sorts the packing around the kernels costs; `--hlo_dir` writes each program's
 optimised HLO to look those names up.
@@ -64,6 +65,9 @@ flags.DEFINE_list("op_partitions", [], "Also time ops.gla / ops.sse pallas_varle
 flags.DEFINE_list("trace_partitions", [], "Also trace fwd + bwd of ops.gla and ops.sse "
                   "pallas_varlen at --length for these N and print the device time of "
                   "each compiled HLO op (op_trace); 0 traces the dense op only.")
+flags.DEFINE_enum("trace_rule", "gla", ["gla", "delta"], "The transition --trace_partitions "
+                  "traces: gla (ops.gla / ops.sse) or delta (ops.gdn / ops.sse_gdn, with "
+                  "bench_ops' delta-rule inputs; --trace_impls then names sse_gdn impls).")
 flags.DEFINE_list("trace_impls", ["pallas_varlen"], "SSE impls that --trace_partitions "
                   "traces.")
 flags.DEFINE_string("hlo_dir", "", "With --trace_partitions: write each traced "
@@ -296,26 +300,40 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
   return rows
 
 
-def op_trace(length, heads, dim, partitions, impls, reps, hlo_dir):
+def op_trace(length, heads, dim, partitions, impls, reps, hlo_dir, rule="gla"):
   """Device time per HLO op of fwd + bwd of the dense op (pallas_chunk, N = 0) and of
-  SSE with each impl at each N > 0 (op_overhead's setting): which fusions the packing
-  costs."""
+  the SSE op with each impl at each N > 0 (op_overhead's setting): which kernels and
+  which fusions of the packing the time goes to. rule "gla": ops.gla / ops.sse;
+  "delta": ops.gdn / ops.sse_gdn (unit keys, a log decay and beta per head)."""
   from sse_jax import ops  # pylint: disable=g-import-not-at-top
   rows = []
   for n, impl in [(n, impl) for n in partitions for impl in (impls if n else [None])]:
-    x = op_setting.make_inputs(length, max(n, 1), heads, dim, 1)
-    if n == 0:
-      op = lambda q, k, v, g, w: ops.gla(q, k, v, g, cu_seqlens=x["cu"],
-                                         impl="pallas_chunk")[0]
-    else:
-      op = lambda q, k, v, g, w, n=n, impl=impl: ops.sse(
-          q, k, v, g, w, x["idx"], num_partitions=n, cu_seqlens=x["cu"], impl=impl,
-          shared=(x["q0"], x["k0"], g))[0]
+    x = op_setting.delta_inputs(op_setting.make_inputs(length, max(n, 1), heads, dim, 1))
+    match rule, n:
+      case "gla", 0:
+        name, names = "gla", ("q", "k", "v", "g", "w")
+        op = lambda q, k, v, g, w: ops.gla(q, k, v, g, cu_seqlens=x["cu"],
+                                           impl="pallas_chunk")[0]
+      case "gla", _:
+        name, names = f"sse_{impl}_n{n}", ("q", "k", "v", "g", "w")
+        op = lambda q, k, v, g, w, n=n, impl=impl: ops.sse(
+            q, k, v, g, w, x["idx"], num_partitions=n, cu_seqlens=x["cu"], impl=impl,
+            shared=(x["q0"], x["k0"], g))[0]
+      case "delta", 0:
+        name, names = "gdn", ("q", "kn", "v", "gh", "beta")
+        op = lambda q, k, v, g, beta: ops.gdn(q, k, v, g, beta, cu_seqlens=x["cu"],
+                                              impl="pallas_chunk")[0]
+      case "delta", _:
+        name, names = f"sse_gdn_{impl}_n{n}", ("q", "kn", "v", "gh", "beta")
+        op = lambda q, k, v, g, beta, n=n, impl=impl: ops.sse_gdn(
+            q, k, v, g, beta, x["w"], x["idx"], num_partitions=n, cu_seqlens=x["cu"],
+            impl=impl, shared=(x["q0"], x["k0n"], g, beta))[0]
+      case _:
+        raise ValueError(f"unknown rule {rule!r}")
     loss = lambda *a, op=op: jnp.sum(op(*a).astype(jnp.float32) * x["cot"].astype(
         jnp.float32))
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    args = (x["q"], x["k"], x["v"], x["g"], x["w"])
-    name = "gla" if n == 0 else f"sse_{impl}_n{n}"
+    args = tuple(x[key] for key in names)
     if hlo_dir:
       pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
       (pathlib.Path(hlo_dir) / f"{name}.hlo.txt").write_text(
@@ -371,7 +389,7 @@ def main(argv):
   if FLAGS.trace_partitions:
     rows += op_trace(FLAGS.length, FLAGS.heads, FLAGS.dim,
                      [int(n) for n in FLAGS.trace_partitions], FLAGS.trace_impls,
-                     FLAGS.reps, FLAGS.hlo_dir)
+                     FLAGS.reps, FLAGS.hlo_dir, FLAGS.trace_rule)
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(rows, indent=1))
 
