@@ -25,10 +25,13 @@ Kernels (grid; what each program does):
                                    chunk, u = U - W S, S_next; the final state. The
                                    only sequential part (u depends on S).
   _output_kernel  (NC, H, nV)      o.
+  _local_du_kernel (NC, H, nV)     P^T do, where P = tril(Q K^T) o D: the part of du
+                                   that does not depend on the state, kept out of the
+                                   reverse walk's sequential steps.
   _dstates_kernel (nV, H, Z)       the reverse walk: with dS the gradient of the state
                                    after a chunk, du = P^T do + (e^{G_C - G} K) dS and
-                                   dS_prev = e^{G_C} dS + (e^G Q)^T do - W^T du, where
-                                   P = tril(Q K^T) o D; dh0 at each segment's start.
+                                   dS_prev = e^{G_C} dS + (e^G Q)^T do - W^T du;
+                                   dh0 at each segment's start.
   _grads_kernel   (NC, H)          dq, dk, dv, dbeta and dg of one chunk from S, dS,
                                    u, du and T (below).
 
@@ -87,13 +90,16 @@ class BlockSizes:
 
   chunk: C, tokens per chunk. block_v: Dv columns per program of the walks and the
   output kernel (Dk is always whole: u = U - W S contracts over it). num_warps,
-  num_stages: Triton launch settings.
+  num_stages: Triton launch settings. split_products: for bf16 storage, the products
+  with T and the [C, C] gradient matrices use hi + lo split operands (~16 bits, three
+  bf16 products each) rather than operands rounded to bf16 (one product).
   """
 
   chunk: int = 64
   block_v: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  split_products: bool = True
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
@@ -130,11 +136,13 @@ def _dot(a, b, contract, dtype):
                          preferred_element_type=_acc(dtype), precision=prec)
 
 
-def _exact_dot(a, b, contract, dtype):
-  """a . b for accumulator-precision a, b: bf16 hi + lo split products (~16 bits) where
-  the storage dtype is bf16 (`chunk_gla._dot_split`), else IEEE in _acc(dtype)."""
+def _exact_dot(a, b, contract, dtype, split):
+  """a . b for accumulator-precision a, b: where the storage dtype is bf16, bf16 hi + lo
+  split products (~16 bits, `chunk_gla._dot_split`) with `split`, else operands rounded
+  to bf16 (one product, a third of the tensor-core work); IEEE in _acc(dtype) for
+  other storage dtypes."""
   if dtype == jnp.bfloat16:
-    return gla._dot_split(a, b, contract, dtype)
+    return gla._dot_split(a, b, contract, dtype) if split else _dot(a, b, contract, dtype)
   return _dot(a, b, contract, _acc(dtype))
 
 
@@ -184,7 +192,8 @@ def _strict_a(k, gc, beta, dtype):
 # Forward kernels.
 
 
-def _prepare_kernel(k_ref, v_ref, g_ref, beta_ref, gc_ref, t_ref, w_ref, u_ref, *, dtype):
+def _prepare_kernel(k_ref, v_ref, g_ref, beta_ref, gc_ref, t_ref, w_ref, u_ref, *, dtype,
+                    split):
   """One (chunk, head): G = cumsum(g) [C], T = (I + A)^{-1} [C, C], W [C, Dk] and
   U [C, Dv] (module docstring).
 
@@ -193,6 +202,7 @@ def _prepare_kernel(k_ref, v_ref, g_ref, beta_ref, gc_ref, t_ref, w_ref, u_ref, 
   as a column, read by a masked sum (Triton cannot slice a value).
   """
   acc = _acc(dtype)
+  xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
   k = k_ref[...].astype(acc)
   beta = beta_ref[...].astype(acc)
   gc = jnp.cumsum(g_ref[...].astype(acc), axis=0)
@@ -212,9 +222,8 @@ def _prepare_kernel(k_ref, v_ref, g_ref, beta_ref, gc_ref, t_ref, w_ref, u_ref, 
 
   inv = lax.fori_loop(1, c, substitute, eye)
   t_ref[...] = inv.astype(t_ref.dtype)
-  w_ref[...] = _exact_dot(inv, k * _col(beta * jnp.exp(gc)), _NN, dtype).astype(w_ref.dtype)
-  u_ref[...] = _exact_dot(inv, v_ref[...].astype(acc) * _col(beta), _NN,
-                          dtype).astype(u_ref.dtype)
+  w_ref[...] = xdot(inv, k * _col(beta * jnp.exp(gc)), _NN).astype(w_ref.dtype)
+  u_ref[...] = xdot(inv, v_ref[...].astype(acc) * _col(beta), _NN).astype(u_ref.dtype)
 
 
 def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref, h_ref,
@@ -260,27 +269,34 @@ def _output_kernel(valid_ref, q_ref, k_ref, gc_ref, h_ref, u_ref, o_ref, *, dtyp
 # Backward kernels.
 
 
-def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, init_ref,
-                    dh_ref, du_ref, last_ref, *, dtype):
+def _local_du_kernel(q_ref, k_ref, gc_ref, do_ref, out_ref, *, dtype):
+  """P^T do [C, BV] for one (chunk, head, Dv block), P = tril(Q K^T) o D: du's term
+  that needs no state. q, k [C, Dk]; gc [C]; do [C, BV]."""
+  gc = gc_ref[...].astype(_acc(dtype))
+  out_ref[...] = _dot(_scores(q_ref[...], k_ref[...], gc, dtype), do_ref[...], _TN,
+                      dtype).astype(out_ref.dtype)
+
+
+def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, pdo_ref,
+                    init_ref, dh_ref, du_ref, last_ref, *, dtype):
   """The reverse walk of segment program_id(2): dh_ref[c] = dS (the gradient of the
   state after chunk c), du_ref[c] = P^T do + (e^{G_C - G} K) dS, then
   dS = e^{G_C} dS + (e^G Q)^T do - W^T du; last_ref: the gradient of the segment's
-  initial state. q, k, w [NC, C, Dk]; gc [NC, C]; do, du [NC, C, BV];
+  initial state. q, k, w [NC, C, Dk]; gc [NC, C]; do, P^T do (pdo), du [NC, C, BV];
   dh [NC, Dk, BV]; init (the final state's cotangent), last [Dk, BV]."""
   seg = pl.program_id(2)
   acc = _acc(dtype)
 
   def load(c):
-    return q_ref[c], k_ref[c], w_ref[c], gc_ref[c], do_ref[c]
+    return q_ref[c], k_ref[c], w_ref[c], gc_ref[c], do_ref[c], pdo_ref[c]
 
   def step(c, loaded, ds):
-    q, k, w, gc, do = loaded
+    q, k, w, gc, do, pdo = loaded
     gc = gc.astype(acc)
     dh_ref[c] = ds.astype(dh_ref.dtype)
     gl = _last(gc)
     k_end = k.astype(acc) * _col(jnp.exp(gl - gc))
-    du = (_dot(_scores(q, k, gc, dtype), do, _TN, dtype)
-          + _dot(k_end, ds, _NN, dtype))
+    du = pdo.astype(acc) + _dot(k_end, ds, _NN, dtype)
     du_ref[c] = du.astype(du_ref.dtype)
     q_dec = q.astype(acc) * _col(jnp.exp(gc))
     return (jnp.exp(gl) * ds + _dot(q_dec, do, _TN, dtype)
@@ -292,11 +308,12 @@ def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, i
 
 def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
                   dh_ref, do_ref, du_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
-                  dtype):
+                  dtype, split):
   """dq, dk [C, Dk], dv [C, Dv], dbeta and dg [C] of one (chunk, head), from the state
   entering it (h), the gradient of the state after it (dh), u, du and T (module
   docstring); zero in a chunk of no segment."""
   acc = _acc(dtype)
+  xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
   valid = valid_ref[pl.program_id(0)] > 0
   q, k, v = q_ref[...], k_ref[...], v_ref[...]
   qf, kf, vf = q.astype(acc), k.astype(acc), v.astype(acc)
@@ -310,28 +327,25 @@ def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref
 
   # The output's terms: o = e^G (Q S) + P u.
   p_decay = _decay(gc, lambda t, s: s <= t)
-  p = p_decay * _dot(q, k, _NT, dtype)
   dp = p_decay * _dot(do, u, _NT, dtype)                                # dP o D
   dq_inter = _col(e_g) * _dot(do, h, _NT, dtype)
-  dq = dq_inter + _exact_dot(dp, kf, _NN, dtype)
+  dq = dq_inter + xdot(dp, kf, _NN)
   # The state update's terms: S_next = e^{G_C} S + (e^{G_C - G} K)^T u.
   dk_end = _col(e_end) * _dot(u, dh, _NT, dtype)
-  dk = dk_end + _exact_dot(dp, qf, _TN, dtype)
+  dk = dk_end + xdot(dp, qf, _TN)
   dpp = dp * _dot(q, k, _NT, dtype)                                     # dP o P
   # The WY terms: u = U - W S, W = T Kb, U = T Vb.
   dw = -_dot(du, h, _NT, dtype)
-  dkb = _exact_dot(inv, dw, _TN, dtype)                                 # T^T dW
-  dvb = _exact_dot(inv, du, _TN, dtype)                                 # T^T dU
+  dkb = xdot(inv, dw, _TN)                                              # T^T dW
+  dvb = xdot(inv, du, _TN)                                              # T^T dU
   kb = kf * _col(beta * e_g)
-  d_t = _exact_dot(dw, kb, _NT, dtype) + _exact_dot(du, vf * _col(beta), _NT, dtype)
+  d_t = xdot(dw, kb, _NT) + xdot(du, vf * _col(beta), _NT)
   rows, cols = _iotas(c)
-  d_a = jnp.where(cols < rows,
-                  -_exact_dot(_exact_dot(inv, d_t, _TN, dtype), inv, _NT, dtype), 0.0)
+  d_a = jnp.where(cols < rows, -xdot(xdot(inv, d_t, _TN), inv, _NT), 0.0)
   a_decay = _decay(gc, lambda t, s: s < t)
   kk = _dot(k, k, _NT, dtype)
   m = d_a * a_decay * _col(beta)                                        # dA o D o beta
-  dk = dk + _col(beta * e_g) * dkb + _exact_dot(m, kf, _NN, dtype) + _exact_dot(
-      m, kf, _TN, dtype)
+  dk = dk + _col(beta * e_g) * dkb + xdot(m, kf, _NN) + xdot(m, kf, _TN)
   dv = _col(beta) * dvb
   kb_dot = jnp.sum(dkb * kf, axis=1)                                    # (T^T dW)_t . k_t
   daa = m * kk                                                          # dA o A
@@ -369,7 +383,7 @@ def _prepare(k, v, g, beta, bs, interpret):
   spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
   gate = pl.BlockSpec((None, c, None), lambda n, hh: (n, 0, hh))
   return _call(
-      functools.partial(_prepare_kernel, dtype=k.dtype), "gdn_prepare", bs, interpret,
+      functools.partial(_prepare_kernel, dtype=k.dtype, split=bs.split_products), "gdn_prepare", bs, interpret,
       grid=(nc, h), in_specs=[spec(dk), spec(dv), gate, gate],
       out_specs=[gate, pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
                  spec(dk), spec(dv)],
@@ -436,6 +450,22 @@ def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
   )(valid, q, k, gc, h_start, u)
 
 
+def _local_du(q, k, gc, do, bs, interpret):
+  """P^T do [NC, C, H, Dv] fp32 (see _local_du_kernel)."""
+  nc, c, h, dk = q.shape
+  dv = do.shape[-1]
+  bv = bs.tile_v(dk, dv)
+  keys = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
+  values = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  return _call(
+      functools.partial(_local_du_kernel, dtype=q.dtype), "gdn_local_du", bs, interpret,
+      grid=(nc, h, dv // bv),
+      in_specs=[keys, keys, pl.BlockSpec((None, c, None), lambda n, hh, j: (n, 0, hh)),
+                values],
+      out_specs=values, out_shape=jax.ShapeDtypeStruct(do.shape, _acc(q.dtype)),
+  )(q, k, gc, do)
+
+
 def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   """(gradient of the state after each chunk [NC, H, Dk, Dv], du [NC, C, H, Dv] fp32,
   gradient of each segment's initial state)."""
@@ -446,15 +476,16 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
   whole = gla._whole(z)
   acc = _acc(q.dtype)
+  pdo = _local_du(q, k, gc, do, bs, interpret)
   call = _call(
       functools.partial(_dstates_kernel, dtype=q.dtype), "gdn_dstates", bs, interpret,
       grid=(dv // bv, h, z),
-      in_specs=[whole, whole, keys, keys, keys, gates, values, state],
+      in_specs=[whole, whole, keys, keys, keys, gates, values, values, state],
       out_specs=[per_chunk, values, state],
       out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), acc),
                  jax.ShapeDtypeStruct(do.shape, acc),
                  jax.ShapeDtypeStruct(dfinal.shape, acc)])
-  return _walk_longest_first(call, start, count, dfinal, q, k, w, gc, do)
+  return _walk_longest_first(call, start, count, dfinal, q, k, w, gc, do, pdo)
 
 
 def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret):
@@ -467,7 +498,7 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
   shape = lambda x: jax.ShapeDtypeStruct(x.shape, acc)
   return _call(
-      functools.partial(_grads_kernel, dtype=q.dtype), "gdn_grads", bs, interpret,
+      functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products), "gdn_grads", bs, interpret,
       grid=(nc, h),
       in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate,
                 pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
