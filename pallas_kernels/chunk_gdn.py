@@ -434,17 +434,24 @@ def _states(k, w, uu, gc, h0, start, count, bs, interpret):
   return _walk_longest_first(call, start, count, h0, k, w, uu, gc)
 
 
+def _tile_specs(c, dk, bv):
+  """For (chunk, head, Dv tile) grids: specs of a chunk's key-side [C, Dk] and
+  value-side [C, BV] tiles and of its gates [C]."""
+  keys = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
+  values = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  gates = pl.BlockSpec((None, c, None), lambda n, hh, j: (n, 0, hh))
+  return keys, values, gates
+
+
 def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
   nc, c, h, dk = q.shape
   dv = u.shape[-1]
   bv = bs.tile_v(dk, dv)
-  keys = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
-  values = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  keys, values, gates = _tile_specs(c, dk, bv)
   return _call(
       functools.partial(_output_kernel, dtype=q.dtype), "gdn_outputs", bs, interpret,
       grid=(nc, h, dv // bv),
-      in_specs=[gla._whole(nc), keys, keys,
-                pl.BlockSpec((None, c, None), lambda n, hh, j: (n, 0, hh)),
+      in_specs=[gla._whole(nc), keys, keys, gates,
                 pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)), values],
       out_specs=values, out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
   )(valid, q, k, gc, h_start, u)
@@ -453,15 +460,11 @@ def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
 def _local_du(q, k, gc, do, bs, interpret):
   """P^T do [NC, C, H, Dv] fp32 (see _local_du_kernel)."""
   nc, c, h, dk = q.shape
-  dv = do.shape[-1]
-  bv = bs.tile_v(dk, dv)
-  keys = pl.BlockSpec((None, c, None, dk), lambda n, hh, j: (n, 0, hh, 0))
-  values = pl.BlockSpec((None, c, None, bv), lambda n, hh, j: (n, 0, hh, j))
+  bv = bs.tile_v(dk, do.shape[-1])
+  keys, values, gates = _tile_specs(c, dk, bv)
   return _call(
       functools.partial(_local_du_kernel, dtype=q.dtype), "gdn_local_du", bs, interpret,
-      grid=(nc, h, dv // bv),
-      in_specs=[keys, keys, pl.BlockSpec((None, c, None), lambda n, hh, j: (n, 0, hh)),
-                values],
+      grid=(nc, h, do.shape[-1] // bv), in_specs=[keys, keys, gates, values],
       out_specs=values, out_shape=jax.ShapeDtypeStruct(do.shape, _acc(q.dtype)),
   )(q, k, gc, do)
 
