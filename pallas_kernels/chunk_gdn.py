@@ -93,6 +93,8 @@ class BlockSizes:
   num_stages: Triton launch settings. split_products: for bf16 storage, the products
   with T and the [C, C] gradient matrices use hi + lo split operands (~16 bits, three
   bf16 products each) rather than operands rounded to bf16 (one product).
+  grads_warps: num_warps of the gradient kernel alone, which holds the most live tiles
+  (None: num_warps).
   """
 
   chunk: int = 64
@@ -100,14 +102,17 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 2
   split_products: bool = True
+  grads_warps: int | None = None
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
       raise ValueError(f"chunk={self.chunk} must be one of {CHUNKS}")
     if self.block_v not in HEAD_DIMS:
       raise ValueError(f"block_v={self.block_v} must be one of {HEAD_DIMS}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"num_warps={self.num_warps} must be a power of 2 <= 16")
+    for name in ("num_warps", "grads_warps"):
+      warps = getattr(self, name)
+      if warps not in (1, 2, 4, 8, 16) and not (name == "grads_warps" and warps is None):
+        raise ValueError(f"{name}={warps} must be a power of 2 <= 16")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -501,7 +506,8 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
   shape = lambda x: jax.ShapeDtypeStruct(x.shape, acc)
   return _call(
-      functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products), "gdn_grads", bs, interpret,
+      functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products), "gdn_grads",
+      dataclasses.replace(bs, num_warps=bs.grads_warps or bs.num_warps), interpret,
       grid=(nc, h),
       in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate,
                 pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),

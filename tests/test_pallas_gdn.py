@@ -83,15 +83,19 @@ class TestPallasGdnGPU:
                               message="The Pallas Triton backend is deprecated")
       yield
 
-  def impl(self, algorithm: str) -> ops.Plan:
-    """The Pallas plan of `algorithm` ("chunk", "masking", "varlen") in this mode."""
-    return ops.Plan(ops.Algorithm(algorithm), ops.PallasCore(None, self.INTERPRET))
+  def impl(self, algorithm: str, **block_sizes) -> ops.Plan:
+    """The Pallas plan of `algorithm` ("chunk", "masking", "varlen") in this mode, with
+    BlockSizes fields `block_sizes` if any."""
+    bs = kernels.BlockSizes(chunk=C, **block_sizes) if block_sizes else None
+    return ops.Plan(ops.Algorithm(algorithm), ops.PallasCore(bs, self.INTERPRET))
 
-  @pytest.mark.parametrize("b, t, cu, beta_max, exact", [
-      (1, 40, (0, 7, 7, 40), 2.0, True),   # ragged, empty sequence, T % C != 0, beta <= 2
-      (2, 21, None, 1.0, False),           # batch rows, T % C != 0, bf16
+  @pytest.mark.parametrize("b, t, cu, beta_max, exact, blocks", [
+      (1, 40, (0, 7, 7, 40), 2.0, True, {}),  # ragged, empty seq., T % C != 0, beta <= 2
+      (2, 21, None, 1.0, False, {}),          # batch rows, T % C != 0, bf16
+      (2, 21, None, 1.0, False,               # bf16 with plain bf16 products with T
+       dict(split_products=False, grads_warps=2)),
   ])
-  def test_gdn_matches_scan(self, b, t, cu, beta_max, exact):
+  def test_gdn_matches_scan(self, b, t, cu, beta_max, exact, blocks):
     s = b if cu is None else len(cu) - 1
     cu = None if cu is None else jnp.asarray(cu, jnp.int32)
     with x64():
@@ -102,7 +106,7 @@ class TestPallasGdnGPU:
       cot = (jax.random.normal(keys[2], x.v.shape, jnp.float32),
              jax.random.normal(keys[3], h0.shape, jnp.float32))
       h0, cot = _up((h0, cot), self.EXACT if exact else jnp.float32)
-      (_, out), grads = _gdn_value_and_grads(self.impl("chunk"), cu)(x, h0, cot)
+      (_, out), grads = _gdn_value_and_grads(self.impl("chunk", **blocks), cu)(x, h0, cot)
       (_, ref), ref_grads = _gdn_value_and_grads("scan", cu)(*_up((x, h0, cot), jnp.float64))
     assert out[0].dtype == dtype
     _compare((out, grads), (ref, ref_grads), tol, GDN_NAMES)
