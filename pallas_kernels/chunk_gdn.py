@@ -50,8 +50,10 @@ where dq_inter = e^G (do S^T) and dk_end = e^{G_C - G} (u dS^T). Every exponent 
 difference G_t - G_s with s <= t, or G_C - G_s, or G_t: all <= 0, so nothing overflows
 (the decay is a scalar per head: no anchoring as in the GLA kernels is needed).
 
-Precision: q, k, v, W and U are stored in the storage dtype (bf16 for bf16 inputs,
-float64 for float64 inputs -- interpret mode, for the tests -- else fp32); G, T, the
+Precision: q, k, v, W, U and the per-chunk states and state gradients handed from the
+walks to the parallel kernels are stored in the storage dtype (bf16 for bf16 inputs,
+float64 for float64 inputs -- interpret mode, for the tests -- else fp32: the matmuls
+that read them round them to it anyway); G, T, the walks' running states, the final
 states and every accumulation are fp32 (float64 for float64). Products with T and the
 [C, C] score matrices use ~16-bit split operands for bf16 (`_exact_dot`).
 """
@@ -94,7 +96,9 @@ class BlockSizes:
   with T and the [C, C] gradient matrices use hi + lo split operands (~16 bits, three
   bf16 products each) rather than operands rounded to bf16 (one product).
   grads_warps: num_warps of the gradient kernel alone, which holds the most live tiles
-  (None: num_warps).
+  (None: num_warps). grads_block_v: the Dv columns the gradient kernel reads at a time
+  (None: block_v). prefetch: the walks load the next chunk's inputs one step ahead, in
+  registers (`chunk_gla._walk`), rather than leaving the loads in the step.
   """
 
   chunk: int = 64
@@ -103,12 +107,16 @@ class BlockSizes:
   num_stages: int = 2
   split_products: bool = True
   grads_warps: int | None = None
+  grads_block_v: int | None = None
+  prefetch: bool = True
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
       raise ValueError(f"chunk={self.chunk} must be one of {CHUNKS}")
-    if self.block_v not in HEAD_DIMS:
-      raise ValueError(f"block_v={self.block_v} must be one of {HEAD_DIMS}")
+    for name in ("block_v", "grads_block_v"):
+      tile = getattr(self, name)
+      if tile not in HEAD_DIMS and not (name == "grads_block_v" and tile is None):
+        raise ValueError(f"{name}={tile} must be one of {HEAD_DIMS}")
     for name in ("num_warps", "grads_warps"):
       warps = getattr(self, name)
       if warps not in (1, 2, 4, 8, 16) and not (name == "grads_warps" and warps is None):
@@ -122,6 +130,10 @@ class BlockSizes:
     if error:
       raise ValueError(error)
     return min(self.block_v, dv)
+
+  def grads_tile_v(self, dk: int, dv: int) -> int:
+    """The gradient kernel's Dv block: grads_block_v (else block_v) clipped to Dv."""
+    return min(self.grads_block_v or self.tile_v(dk, dv), dv)
 
 
 # ----------------------------------------------------------------------------------
@@ -232,7 +244,7 @@ def _prepare_kernel(k_ref, v_ref, g_ref, beta_ref, gc_ref, t_ref, w_ref, u_ref, 
 
 
 def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref, h_ref,
-                   u_ref, last_ref, *, dtype):
+                   u_ref, last_ref, *, dtype, prefetch):
   """Walks segment program_id(2)'s chunks: h_ref[c] = S (the state entering chunk c),
   u_ref[c] = U_c - W_c S, then S = e^{G_C} S + (e^{G_C - G} K)^T u.
 
@@ -255,7 +267,8 @@ def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref,
     return jnp.exp(gl) * s + _dot(k_end, u, _TN, dtype)
 
   last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], h_ref.shape[0], False, load,
-                            step, init_ref[...].astype(acc)).astype(last_ref.dtype)
+                            step, init_ref[...].astype(acc), prefetch
+                            ).astype(last_ref.dtype)
 
 
 def _output_kernel(valid_ref, q_ref, k_ref, gc_ref, h_ref, u_ref, o_ref, *, dtype):
@@ -283,7 +296,7 @@ def _local_du_kernel(q_ref, k_ref, gc_ref, do_ref, out_ref, *, dtype):
 
 
 def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, pdo_ref,
-                    init_ref, dh_ref, du_ref, last_ref, *, dtype):
+                    init_ref, dh_ref, du_ref, last_ref, *, dtype, prefetch):
   """The reverse walk of segment program_id(2): dh_ref[c] = dS (the gradient of the
   state after chunk c), du_ref[c] = P^T do + (e^{G_C - G} K) dS, then
   dS = e^{G_C} dS + (e^G Q)^T do - W^T du; last_ref: the gradient of the segment's
@@ -308,64 +321,87 @@ def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, p
             - _dot(w, du, _TN, dtype))
 
   last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], dh_ref.shape[0], True, load,
-                            step, init_ref[...].astype(acc)).astype(last_ref.dtype)
+                            step, init_ref[...].astype(acc), prefetch
+                            ).astype(last_ref.dtype)
 
 
 def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
                   dh_ref, do_ref, du_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
-                  dtype, split):
+                  dtype, split, block_v):
   """dq, dk [C, Dk], dv [C, Dv], dbeta and dg [C] of one (chunk, head), from the state
   entering it (h), the gradient of the state after it (dh), u, du and T (module
-  docstring); zero in a chunk of no segment."""
+  docstring); zero in a chunk of no segment.
+
+  The value side (v, u, do, du and the [Dk, Dv] states) is read in column blocks of
+  `block_v`, each contracted into [C, C] and [C, Dk] accumulators, so no whole state
+  tile is ever live (two [128, 128] fp32 tiles would not fit in registers).
+  """
   acc = _acc(dtype)
   xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
   valid = valid_ref[pl.program_id(0)] > 0
-  q, k, v = q_ref[...], k_ref[...], v_ref[...]
-  qf, kf, vf = q.astype(acc), k.astype(acc), v.astype(acc)
+  q, k = q_ref[...], k_ref[...]
+  qf, kf = q.astype(acc), k.astype(acc)
   gc, beta = gc_ref[...].astype(acc), beta_ref[...].astype(acc)
   inv = t_ref[...].astype(acc)
-  u, do, du = u_ref[...], do_ref[...], du_ref[...].astype(acc)
-  h, dh = h_ref[...], dh_ref[...]
-  c = gc.shape[0]
+  c, dk_dim = kf.shape
   gl = _last(gc)
   e_g, e_end = jnp.exp(gc), jnp.exp(gl - gc)
 
+  # Value-side contractions, block by block: do u^T, do S^T, u dS^T, -du S^T,
+  # du (diag(beta) V)^T, sum(S o dS); dv and (T^T dU)_t . v_t per block.
+  do_u = jnp.zeros((c, c), acc)
+  du_vb = jnp.zeros((c, c), acc)
+  do_h = jnp.zeros((c, dk_dim), acc)
+  u_dh = jnp.zeros((c, dk_dim), acc)
+  dw = jnp.zeros((c, dk_dim), acc)
+  dbeta = jnp.zeros((c,), acc)
+  h_dh = jnp.zeros((), acc)
+  for j in range(dv_ref.shape[1] // block_v):
+    block = pl.ds(j * block_v, block_v)
+    u, do = u_ref[:, block], do_ref[:, block]
+    du = du_ref[:, block].astype(acc)
+    vf = v_ref[:, block].astype(acc)
+    h, dh = h_ref[:, block], dh_ref[:, block]
+    do_u = do_u + _dot(do, u, _NT, dtype)
+    do_h = do_h + _dot(do, h, _NT, dtype)
+    u_dh = u_dh + _dot(u, dh, _NT, dtype)
+    dw = dw - _dot(du, h, _NT, dtype)
+    du_vb = du_vb + xdot(du, vf * _col(beta), _NT)
+    dvb = xdot(inv, du, _TN)                                            # T^T dU
+    dv_ref[:, block] = jnp.where(valid, _col(beta) * dvb, 0.0).astype(dv_ref.dtype)
+    dbeta = dbeta + jnp.sum(dvb * vf, axis=1)
+    h_dh = h_dh + jnp.sum(h.astype(acc) * dh.astype(acc))
+
   # The output's terms: o = e^G (Q S) + P u.
-  p_decay = _decay(gc, lambda t, s: s <= t)
-  dp = p_decay * _dot(do, u, _NT, dtype)                                # dP o D
-  dq_inter = _col(e_g) * _dot(do, h, _NT, dtype)
+  dp = _decay(gc, lambda t, s: s <= t) * do_u                           # dP o D
+  dq_inter = _col(e_g) * do_h
   dq = dq_inter + xdot(dp, kf, _NN)
   # The state update's terms: S_next = e^{G_C} S + (e^{G_C - G} K)^T u.
-  dk_end = _col(e_end) * _dot(u, dh, _NT, dtype)
+  dk_end = _col(e_end) * u_dh
   dk = dk_end + xdot(dp, qf, _TN)
   dpp = dp * _dot(q, k, _NT, dtype)                                     # dP o P
   # The WY terms: u = U - W S, W = T Kb, U = T Vb.
-  dw = -_dot(du, h, _NT, dtype)
   dkb = xdot(inv, dw, _TN)                                              # T^T dW
-  dvb = xdot(inv, du, _TN)                                              # T^T dU
   kb = kf * _col(beta * e_g)
-  d_t = xdot(dw, kb, _NT) + xdot(du, vf * _col(beta), _NT)
+  d_t = xdot(dw, kb, _NT) + du_vb
   rows, cols = _iotas(c)
   d_a = jnp.where(cols < rows, -xdot(xdot(inv, d_t, _TN), inv, _NT), 0.0)
   a_decay = _decay(gc, lambda t, s: s < t)
   kk = _dot(k, k, _NT, dtype)
   m = d_a * a_decay * _col(beta)                                        # dA o D o beta
   dk = dk + _col(beta * e_g) * dkb + xdot(m, kf, _NN) + xdot(m, kf, _TN)
-  dv = _col(beta) * dvb
   kb_dot = jnp.sum(dkb * kf, axis=1)                                    # (T^T dW)_t . k_t
   daa = m * kk                                                          # dA o A
-  dbeta = jnp.sum(dvb * vf, axis=1) + e_g * kb_dot + jnp.sum(d_a * a_decay * kk, axis=1)
+  dbeta = dbeta + e_g * kb_dot + jnp.sum(d_a * a_decay * kk, axis=1)
   dgc = (jnp.sum(qf * dq_inter, axis=1) + jnp.sum(dpp, axis=1) - jnp.sum(dpp, axis=0)
          - jnp.sum(kf * dk_end, axis=1) + beta * e_g * kb_dot
          + jnp.sum(daa, axis=1) - jnp.sum(daa, axis=0))
   pos = lax.broadcasted_iota(jnp.int32, (c,), 0)
-  hf = h.astype(acc)
-  end_share = jnp.sum(kf * dk_end) + jnp.exp(gl) * jnp.sum(hf * dh.astype(acc))
+  end_share = jnp.sum(kf * dk_end) + jnp.exp(gl) * h_dh
   dgc = dgc + jnp.where(pos == c - 1, end_share, 0.0)
   dg = jnp.sum(dgc) - jnp.cumsum(dgc, axis=0) + dgc                     # suffix sums
   dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
   dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
-  dv_ref[...] = jnp.where(valid, dv, 0.0).astype(dv_ref.dtype)
   dbeta_ref[...] = jnp.where(valid, dbeta, 0.0).astype(dbeta_ref.dtype)
   dg_ref[...] = jnp.where(valid, dg, 0.0).astype(dg_ref.dtype)
 
@@ -388,7 +424,8 @@ def _prepare(k, v, g, beta, bs, interpret):
   spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
   gate = pl.BlockSpec((None, c, None), lambda n, hh: (n, 0, hh))
   return _call(
-      functools.partial(_prepare_kernel, dtype=k.dtype, split=bs.split_products), "gdn_prepare", bs, interpret,
+      functools.partial(_prepare_kernel, dtype=k.dtype, split=bs.split_products),
+      "gdn_prepare", bs, interpret,
       grid=(nc, h), in_specs=[spec(dk), spec(dv), gate, gate],
       out_specs=[gate, pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
                  spec(dk), spec(dv)],
@@ -422,7 +459,8 @@ def _walk_longest_first(call, start, count, init, *arrays):
 
 
 def _states(k, w, uu, gc, h0, start, count, bs, interpret):
-  """(state entering each chunk [NC, H, Dk, Dv], u like U, final state per segment)."""
+  """(state entering each chunk [NC, H, Dk, Dv] in k's dtype, u like U, final state
+  per segment)."""
   nc, c, h, dk = k.shape
   dv = uu.shape[-1]
   z = h0.shape[0]
@@ -430,10 +468,11 @@ def _states(k, w, uu, gc, h0, start, count, bs, interpret):
   state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
   whole = gla._whole(z)
   call = _call(
-      functools.partial(_states_kernel, dtype=k.dtype), "gdn_states", bs, interpret,
+      functools.partial(_states_kernel, dtype=k.dtype, prefetch=bs.prefetch), "gdn_states",
+      bs, interpret,
       grid=(dv // bv, h, z), in_specs=[whole, whole, keys, keys, values, gates, state],
       out_specs=[per_chunk, values, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), _acc(k.dtype)),
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), k.dtype),
                  jax.ShapeDtypeStruct(uu.shape, uu.dtype),
                  jax.ShapeDtypeStruct(h0.shape, h0.dtype)])
   return _walk_longest_first(call, start, count, h0, k, w, uu, gc)
@@ -475,8 +514,8 @@ def _local_du(q, k, gc, do, bs, interpret):
 
 
 def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
-  """(gradient of the state after each chunk [NC, H, Dk, Dv], du [NC, C, H, Dv] fp32,
-  gradient of each segment's initial state)."""
+  """(gradient of the state after each chunk [NC, H, Dk, Dv] in q's dtype, du
+  [NC, C, H, Dv] fp32, gradient of each segment's initial state)."""
   nc, c, h, dk = q.shape
   dv = do.shape[-1]
   z = dfinal.shape[0]
@@ -486,11 +525,12 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   acc = _acc(q.dtype)
   pdo = _local_du(q, k, gc, do, bs, interpret)
   call = _call(
-      functools.partial(_dstates_kernel, dtype=q.dtype), "gdn_dstates", bs, interpret,
+      functools.partial(_dstates_kernel, dtype=q.dtype, prefetch=bs.prefetch),
+      "gdn_dstates", bs, interpret,
       grid=(dv // bv, h, z),
       in_specs=[whole, whole, keys, keys, keys, gates, values, values, state],
       out_specs=[per_chunk, values, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), acc),
+      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), q.dtype),
                  jax.ShapeDtypeStruct(do.shape, acc),
                  jax.ShapeDtypeStruct(dfinal.shape, acc)])
   return _walk_longest_first(call, start, count, dfinal, q, k, w, gc, do, pdo)
@@ -506,7 +546,8 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
   shape = lambda x: jax.ShapeDtypeStruct(x.shape, acc)
   return _call(
-      functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products), "gdn_grads",
+      functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products,
+                        block_v=bs.grads_tile_v(dk, dv)), "gdn_grads",
       dataclasses.replace(bs, num_warps=bs.grads_warps or bs.num_warps), interpret,
       grid=(nc, h),
       in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate,

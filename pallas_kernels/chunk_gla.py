@@ -428,18 +428,24 @@ def _local_kernel(x_ref, b_ref, z_ref, out_ref, *, chunk, dtype, to_end):
   out_ref[...] = _dot(x_ref[...].astype(jnp.float32) * jnp.exp(u), z_ref[...], _TN, dtype)
 
 
-def _walk(start, count, nc, reverse, load, step, init):
+def _walk(start, count, nc, reverse, load, step, init, prefetch=True):
   """carry = step(c, loaded, carry) over the chunks c of one segment, in order (or in
-  reverse), with chunk c's inputs `load(c)` issued one step ahead.
+  reverse), with chunk c's inputs `load(c)`.
 
   The walk is the op's one sequential chain, and each of its steps would otherwise
-  wait on its own loads (a global-memory round trip, ~1 us): here the loads of the
-  next chunk are a loop carry, in flight while this chunk's step runs. The prefetch
-  past the last chunk is clamped to a valid chunk and never used.
+  wait on its own loads (a global-memory round trip, ~1 us). With `prefetch` the loads
+  of the next chunk are a loop carry, in flight while this chunk's step runs (the
+  prefetch past the last chunk is clamped to a valid chunk and never used); that
+  costs registers for a second copy of the inputs, so walks over large tiles may do
+  better leaving the loads in the step, to Triton's own pipelining.
   """
   def chunk_at(n):
     n = jnp.minimum(n, count - 1)
     return jnp.clip(start + (count - 1 - n if reverse else n), 0, nc - 1)
+
+  if not prefetch:
+    return lax.fori_loop(0, count, lambda n, acc: step(chunk_at(n), load(chunk_at(n)), acc),
+                         init)
 
   def body(n, carry):
     loaded, acc = carry
