@@ -102,10 +102,7 @@ class BlockSizes:
   registers (`chunk_gla._walk`), rather than leaving the loads in the step.
   hoist_qdo: the reverse walk's state-free term (e^G Q)^T do is computed beside P^T do
   in the parallel `gdn_local_du` kernel and read by the walk as an fp32 [Dk, BV] tile
-  per chunk, rather than computed in the walk's step. affine_walk: the walks take one
-  product per step, S_next = e^{G_C} S - M S + B with each chunk's M = K_end^T W and
-  B = K_end^T U formed in parallel (`gdn_maps`; the reverse walk uses M^T and
-  B = (e^G Q)^T do - W^T P^T do), and u, du are formed by the parallel kernels.
+  per chunk, rather than computed in the walk's step.
   """
 
   chunk: int = 64
@@ -117,7 +114,6 @@ class BlockSizes:
   grads_block_v: int | None = None
   prefetch: bool = True
   hoist_qdo: bool = False
-  affine_walk: bool = False
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
@@ -280,90 +276,33 @@ def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref,
                             ).astype(last_ref.dtype)
 
 
-def _output_kernel(valid_ref, q_ref, k_ref, gc_ref, h_ref, u_ref, *refs, dtype):
+def _output_kernel(valid_ref, q_ref, k_ref, gc_ref, h_ref, u_ref, o_ref, *, dtype):
   """o [C, BV] = e^G (Q S) + P u for one (chunk, head, Dv block); zero in a chunk of
-  no segment. q, k [C, Dk]; gc [C]; h (entering the chunk) [Dk, BV]; u [C, BV].
-
-  refs: (o,), or (w, o, u_out) when the walk did not form u: then u_ref holds U,
-  u = U - W S is formed here and also written to u_out (w [C, Dk]).
-  """
+  no segment. q, k [C, Dk]; gc [C]; h (entering the chunk) [Dk, BV]; u [C, BV]."""
   acc = _acc(dtype)
   valid = valid_ref[pl.program_id(0)] > 0
   gc = gc_ref[...].astype(acc)
-  q, h = q_ref[...], h_ref[...]
-  if len(refs) == 1:
-    (o_ref,) = refs
-    u = u_ref[...]
-  else:
-    w_ref, o_ref, u_out_ref = refs
-    u = u_ref[...].astype(acc) - _dot(w_ref[...], h, _NN, dtype)
-    u_out_ref[...] = jnp.where(valid, u, 0.0).astype(u_out_ref.dtype)
-  out = (_col(jnp.exp(gc)) * _dot(q, h, _NN, dtype)
-         + _dot(_scores(q, k_ref[...], gc, dtype), u, _NN, dtype))
+  q = q_ref[...]
+  out = (_col(jnp.exp(gc)) * _dot(q, h_ref[...], _NN, dtype)
+         + _dot(_scores(q, k_ref[...], gc, dtype), u_ref[...], _NN, dtype))
   o_ref[...] = jnp.where(valid, out, 0.0).astype(o_ref.dtype)
-
-
-def _maps_kernel(k_ref, w_ref, uu_ref, gc_ref, m_ref, b_ref, *, dtype, block_k, block_v):
-  """One (chunk, head): the chunk's state map, S_next = e^{G_C} S - M S + B with
-  M = K_end^T W [Dk, Dk] and B = K_end^T U [Dk, Dv], K_end = e^{G_C - G} K, written in
-  column blocks (block_k of M, block_v of B) to keep one [Dk, block] tile live."""
-  acc = _acc(dtype)
-  gc = gc_ref[...].astype(acc)
-  k_end = k_ref[...].astype(acc) * _col(jnp.exp(_last(gc) - gc))
-  for out_ref, in_ref, block in ((m_ref, w_ref, block_k), (b_ref, uu_ref, block_v)):
-    for j in range(out_ref.shape[1] // block):
-      cols = pl.ds(j * block, block)
-      out_ref[:, cols] = _dot(k_end, in_ref[:, cols], _TN, dtype).astype(out_ref.dtype)
-
-
-def _affine_walk_kernel(start_ref, count_ref, m_ref, b_ref, gc_ref, init_ref, seq_ref,
-                        last_ref, *, dtype, prefetch, transpose):
-  """Walks segment program_id(2)'s chunks with one product per step:
-  seq_ref[c] = S, then S = e^{G_C} S - M S + B (forward: S the state entering chunk c)
-  or, with `transpose`, in reverse, S = e^{G_C} S - M^T S + B (S the gradient of the
-  state after chunk c). m [NC, Dk, Dk]; b, seq [NC, Dk, BV]; gc [NC, C];
-  init, last [Dk, BV]."""
-  seg = pl.program_id(2)
-  acc = _acc(dtype)
-
-  def load(c):
-    return m_ref[c], b_ref[c], gc_ref[c]
-
-  def step(c, loaded, s):
-    m, b, gc = loaded
-    seq_ref[c] = s.astype(seq_ref.dtype)
-    mapped = _dot(m, s, _TN if transpose else _NN, dtype)
-    return jnp.exp(_last(gc.astype(acc))) * s - mapped + b.astype(acc)
-
-  last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], seq_ref.shape[0], transpose,
-                            load, step, init_ref[...].astype(acc), prefetch
-                            ).astype(last_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------
 # Backward kernels.
 
 
-def _local_du_kernel(q_ref, k_ref, gc_ref, do_ref, *refs, dtype):
+def _local_du_kernel(q_ref, k_ref, gc_ref, do_ref, out_ref, *qdo_ref, dtype):
   """The reverse walk's state-free terms for one (chunk, head, Dv block): P^T do
-  [C, BV] (P = tril(Q K^T) o D), du's part that needs no state; by choice also dS's,
-  (e^G Q)^T do [Dk, BV], or, given W, the affine walk's B = (e^G Q)^T do - W^T P^T do.
-  q, k, w [C, Dk]; gc [C]; do [C, BV].
-
-  refs: (pdo,), (pdo, qdo) or (w, pdo, b).
-  """
-  w_ref = refs[0] if len(refs) == 3 else None
-  out_ref, *extra_ref = refs[1:] if w_ref is not None else refs
+  [C, BV] (P = tril(Q K^T) o D), du's part that needs no state; with a second output,
+  also (e^G Q)^T do [Dk, BV], dS's. q, k [C, Dk]; gc [C]; do [C, BV]."""
   gc = gc_ref[...].astype(_acc(dtype))
-  q, do = q_ref[...], do_ref[...]
-  pdo = _dot(_scores(q, k_ref[...], gc, dtype), do, _TN, dtype)
-  out_ref[...] = pdo.astype(out_ref.dtype)
-  if extra_ref:
+  q = q_ref[...]
+  out_ref[...] = _dot(_scores(q, k_ref[...], gc, dtype), do_ref[...], _TN,
+                      dtype).astype(out_ref.dtype)
+  if qdo_ref:
     q_dec = q.astype(gc.dtype) * _col(jnp.exp(gc))
-    term = _dot(q_dec, do, _TN, dtype)
-    if w_ref is not None:
-      term = term - _dot(w_ref[...], pdo, _TN, dtype)
-    extra_ref[0][...] = term.astype(extra_ref[0].dtype)
+    qdo_ref[0][...] = _dot(q_dec, do_ref[...], _TN, dtype).astype(qdo_ref[0].dtype)
 
 
 def _dstates_kernel(start_ref, count_ref, *refs, dtype, prefetch, hoisted):
@@ -411,16 +350,14 @@ def _dstates_kernel(start_ref, count_ref, *refs, dtype, prefetch, hoisted):
 
 def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
                   dh_ref, do_ref, du_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
-                  dtype, split, block_v, du_from_dh):
+                  dtype, split, block_v):
   """dq, dk [C, Dk], dv [C, Dv], dbeta and dg [C] of one (chunk, head), from the state
   entering it (h), the gradient of the state after it (dh), u, du and T (module
   docstring); zero in a chunk of no segment.
 
   The value side (v, u, do, du and the [Dk, Dv] states) is read in column blocks of
   `block_v`, each contracted into [C, C] and [C, Dk] accumulators, so no whole state
-  tile is ever live (two [128, 128] fp32 tiles would not fit in registers). With
-  `du_from_dh`, du_ref holds P^T do and du = P^T do + e^{G_C - G} K dS is formed here,
-  block by block.
+  tile is ever live (two [128, 128] fp32 tiles would not fit in registers).
   """
   acc = _acc(dtype)
   xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
@@ -448,8 +385,6 @@ def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref
     du = du_ref[:, block].astype(acc)
     vf = v_ref[:, block].astype(acc)
     h, dh = h_ref[:, block], dh_ref[:, block]
-    if du_from_dh:
-      du = du + _dot(kf * _col(e_end), dh, _NN, dtype)
     do_u = do_u + _dot(do, u, _NT, dtype)
     do_h = do_h + _dot(do, h, _NT, dtype)
     u_dh = u_dh + _dot(u, dh, _NT, dtype)
@@ -575,29 +510,23 @@ def _tile_specs(c, dk, bv):
   return keys, values, gates
 
 
-def _outputs(q, k, gc, h_start, u, valid, bs, interpret, w=None):
-  """o like u; given w, u holds U and the result is (o, u = U - W S) (_output_kernel)."""
+def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
   nc, c, h, dk = q.shape
   dv = u.shape[-1]
   bv = bs.tile_v(dk, dv)
   keys, values, gates = _tile_specs(c, dk, bv)
-  out = jax.ShapeDtypeStruct(u.shape, u.dtype)
-  extra = () if w is None else (w,)
-  outs = _call(
+  return _call(
       functools.partial(_output_kernel, dtype=q.dtype), "gdn_outputs", bs, interpret,
       grid=(nc, h, dv // bv),
       in_specs=[gla._whole(nc), keys, keys, gates,
-                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)), values,
-                *([keys] if extra else [])],
-      out_specs=[values] * (1 + len(extra)), out_shape=[out] * (1 + len(extra)),
-  )(valid, q, k, gc, h_start, u, *extra)
-  return tuple(outs) if extra else outs[0]
+                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)), values],
+      out_specs=values, out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
+  )(valid, q, k, gc, h_start, u)
 
 
-def _local_du(q, k, gc, do, bs, interpret, w=None):
-  """[P^T do [NC, C, H, Dv] fp32], and with bs.hoist_qdo also (e^G Q)^T do, given w the
-  affine walk's B = (e^G Q)^T do - W^T P^T do, both [NC, H, Dk, Dv] fp32
-  (see _local_du_kernel)."""
+def _local_du(q, k, gc, do, bs, interpret):
+  """P^T do [NC, C, H, Dv] fp32, and with bs.hoist_qdo also (e^G Q)^T do
+  [NC, H, Dk, Dv] fp32 (see _local_du_kernel)."""
   nc, c, h, dk = q.shape
   dv = do.shape[-1]
   bv = bs.tile_v(dk, dv)
@@ -605,55 +534,14 @@ def _local_du(q, k, gc, do, bs, interpret, w=None):
   acc = _acc(q.dtype)
   out_specs = [values]
   out_shape = [jax.ShapeDtypeStruct(do.shape, acc)]
-  if bs.hoist_qdo or w is not None:
+  if bs.hoist_qdo:
     out_specs.append(pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)))
     out_shape.append(jax.ShapeDtypeStruct((nc, h, dk, dv), acc))
-  extra = () if w is None else (w,)
   return _call(
       functools.partial(_local_du_kernel, dtype=q.dtype), "gdn_local_du", bs, interpret,
-      grid=(nc, h, dv // bv), in_specs=[keys, keys, gates, values, *([keys] * len(extra))],
+      grid=(nc, h, dv // bv), in_specs=[keys, keys, gates, values],
       out_specs=out_specs, out_shape=out_shape,
-  )(q, k, gc, do, *extra)
-
-
-def _maps(k, w, uu, gc, bs, interpret):
-  """(M [NC, H, Dk, Dk] like k, B [NC, H, Dk, Dv] fp32): each chunk's state map
-  (_maps_kernel)."""
-  nc, c, h, dk = k.shape
-  dv = uu.shape[-1]
-  spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
-  per_chunk = lambda d: pl.BlockSpec((None, None, dk, d), lambda n, hh: (n, hh, 0, 0))
-  kernel = functools.partial(_maps_kernel, dtype=k.dtype, block_k=bs.tile_v(dk, dk),
-                             block_v=bs.tile_v(dk, dv))
-  return _call(
-      kernel, "gdn_maps", bs, interpret, grid=(nc, h),
-      in_specs=[spec(dk), spec(dk), spec(dv), pl.BlockSpec((None, c, None),
-                                                          lambda n, hh: (n, 0, hh))],
-      out_specs=[per_chunk(dk), per_chunk(dv)],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dk), k.dtype),
-                 jax.ShapeDtypeStruct((nc, h, dk, dv), _acc(k.dtype))],
-  )(k, w, uu, gc)
-
-
-def _affine_walk(m, b, gc, init, start, count, bs, interpret, transpose, seq_dtype):
-  """(S per chunk [NC, H, Dk, Dv] in seq_dtype, last S per segment) of the affine walk
-  (_affine_walk_kernel) from init [Z, H, Dk, Dv]."""
-  nc, h, dk, dv = b.shape
-  c = gc.shape[1]
-  z = init.shape[0]
-  bv = bs.tile_v(dk, dv)
-  state, per_chunk, _, _, gates = _walk_specs(nc, c, dk, bv)
-  whole = gla._whole(z)
-  maps = pl.BlockSpec((nc, None, dk, dk), lambda j, hh, s: (0, hh, 0, 0))
-  kernel = functools.partial(_affine_walk_kernel, dtype=m.dtype, prefetch=bs.prefetch,
-                             transpose=transpose)
-  call = _call(
-      kernel, "gdn_walk_reverse" if transpose else "gdn_walk", bs, interpret,
-      grid=(dv // bv, h, z), in_specs=[whole, whole, maps, per_chunk, gates, state],
-      out_specs=[per_chunk, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), seq_dtype),
-                 jax.ShapeDtypeStruct(init.shape, _acc(m.dtype))])
-  return _walk_longest_first(call, start, count, init, m, b, gc)
+  )(q, k, gc, do)
 
 
 def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
@@ -686,10 +574,8 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   return _walk_longest_first(call, start, count, dfinal, *inputs)
 
 
-def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret,
-           du_from_dh=False):
-  """(dq, dk, dv, dbeta, dg) in the accumulation dtype (see _grads_kernel; with
-  du_from_dh, du holds P^T do)."""
+def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret):
+  """(dq, dk, dv, dbeta, dg) in the accumulation dtype (see _grads_kernel)."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   acc = _acc(q.dtype)
@@ -699,8 +585,7 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret,
   shape = lambda x: jax.ShapeDtypeStruct(x.shape, acc)
   return _call(
       functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products,
-                        block_v=bs.grads_tile_v(dk, dv), du_from_dh=du_from_dh),
-      "gdn_grads",
+                        block_v=bs.grads_tile_v(dk, dv)), "gdn_grads",
       dataclasses.replace(bs, num_warps=bs.grads_warps or bs.num_warps), interpret,
       grid=(nc, h),
       in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate,
@@ -723,32 +608,20 @@ def _core(q, k, v, g, beta, h0, start, count, bs, interpret):
 def _core_fwd(q, k, v, g, beta, h0, start, count, bs, interpret):
   valid = gla._valid_chunks(start, count, q.shape[0])
   gc, inv, w, uu = _prepare(k, v, g, beta, bs, interpret)
-  if bs.affine_walk:
-    maps, local = _maps(k, w, uu, gc, bs, interpret)
-    h_start, final = _affine_walk(maps, local, gc, h0, start, count, bs, interpret, False,
-                                  k.dtype)
-    o, u = _outputs(q, k, gc, h_start, uu, valid, bs, interpret, w=w)
-  else:
-    maps = None
-    h_start, u, final = _states(k, w, uu, gc, h0, start, count, bs, interpret)
-    o = _outputs(q, k, gc, h_start, u, valid, bs, interpret)
-  return (o, final), (q, k, v, beta, gc, inv, w, u, h_start, maps, h0, start, count)
+  h_start, u, final = _states(k, w, uu, gc, h0, start, count, bs, interpret)
+  o = _outputs(q, k, gc, h_start, u, valid, bs, interpret)
+  return (o, final), (q, k, v, beta, gc, inv, w, u, h_start, h0, start, count)
 
 
 def _core_bwd(bs, interpret, res, cot):
-  q, k, v, beta, gc, inv, w, u, h_start, maps, h0, start, count = res
+  q, k, v, beta, gc, inv, w, u, h_start, h0, start, count = res
   do, dfinal = cot
   valid = gla._valid_chunks(start, count, q.shape[0])
   do = do.astype(v.dtype)
-  dfinal = dfinal.astype(h0.dtype)
-  if bs.affine_walk:
-    du, local = _local_du(q, k, gc, do, bs, interpret, w=w)
-    dh, dh0 = _affine_walk(maps, local, gc, dfinal, start, count, bs, interpret, True,
-                           q.dtype)
-  else:
-    dh, du, dh0 = _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret)
+  dh, du, dh0 = _dstates(q, k, w, gc, do, dfinal.astype(h0.dtype), start, count, bs,
+                         interpret)
   dq, dk, dv, dbeta, dg = _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid,
-                                 bs, interpret, du_from_dh=bs.affine_walk)
+                                 bs, interpret)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg,
           dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None)
 
