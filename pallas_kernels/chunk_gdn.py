@@ -27,8 +27,7 @@ Kernels (grid; what each program does):
   _output_kernel  (NC, H, nV)      o.
   _local_du_kernel (NC, H, nV)     P^T do, where P = tril(Q K^T) o D: the part of du
                                    that does not depend on the state, kept out of the
-                                   reverse walk's sequential steps (and, by choice,
-                                   (e^G Q)^T do, dS's state-free part).
+                                   reverse walk's sequential steps.
   _dstates_kernel (nV, H, Z)       the reverse walk: with dS the gradient of the state
                                    after a chunk, du = P^T do + (e^{G_C - G} K) dS and
                                    dS_prev = e^{G_C} dS + (e^G Q)^T do - W^T du;
@@ -100,9 +99,6 @@ class BlockSizes:
   (None: num_warps). grads_block_v: the Dv columns the gradient kernel reads at a time
   (None: block_v). prefetch: the walks load the next chunk's inputs one step ahead, in
   registers (`chunk_gla._walk`), rather than leaving the loads in the step.
-  hoist_qdo: the reverse walk's state-free term (e^G Q)^T do is computed beside P^T do
-  in the parallel `gdn_local_du` kernel and read by the walk as an fp32 [Dk, BV] tile
-  per chunk, rather than computed in the walk's step.
   """
 
   chunk: int = 64
@@ -113,7 +109,6 @@ class BlockSizes:
   grads_warps: int | None = None
   grads_block_v: int | None = None
   prefetch: bool = True
-  hoist_qdo: bool = False
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
@@ -292,56 +287,38 @@ def _output_kernel(valid_ref, q_ref, k_ref, gc_ref, h_ref, u_ref, o_ref, *, dtyp
 # Backward kernels.
 
 
-def _local_du_kernel(q_ref, k_ref, gc_ref, do_ref, out_ref, *qdo_ref, dtype):
-  """The reverse walk's state-free terms for one (chunk, head, Dv block): P^T do
-  [C, BV] (P = tril(Q K^T) o D), du's part that needs no state; with a second output,
-  also (e^G Q)^T do [Dk, BV], dS's. q, k [C, Dk]; gc [C]; do [C, BV]."""
+def _local_du_kernel(q_ref, k_ref, gc_ref, do_ref, out_ref, *, dtype):
+  """P^T do [C, BV] for one (chunk, head, Dv block), P = tril(Q K^T) o D: du's term
+  that needs no state. q, k [C, Dk]; gc [C]; do [C, BV]."""
   gc = gc_ref[...].astype(_acc(dtype))
-  q = q_ref[...]
-  out_ref[...] = _dot(_scores(q, k_ref[...], gc, dtype), do_ref[...], _TN,
+  out_ref[...] = _dot(_scores(q_ref[...], k_ref[...], gc, dtype), do_ref[...], _TN,
                       dtype).astype(out_ref.dtype)
-  if qdo_ref:
-    q_dec = q.astype(gc.dtype) * _col(jnp.exp(gc))
-    qdo_ref[0][...] = _dot(q_dec, do_ref[...], _TN, dtype).astype(qdo_ref[0].dtype)
 
 
-def _dstates_kernel(start_ref, count_ref, *refs, dtype, prefetch, hoisted):
+def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, pdo_ref,
+                    init_ref, dh_ref, du_ref, last_ref, *, dtype, prefetch):
   """The reverse walk of segment program_id(2): dh_ref[c] = dS (the gradient of the
   state after chunk c), du_ref[c] = P^T do + (e^{G_C - G} K) dS, then
   dS = e^{G_C} dS + (e^G Q)^T do - W^T du; last_ref: the gradient of the segment's
-  initial state.
-
-  refs: (q, k, w, gc, do, pdo, init, dh, du, last), or with `hoisted`
-  (qdo, k, w, gc, pdo, init, dh, du, last) where qdo [NC, Dk, BV] holds (e^G Q)^T do
-  from `_local_du`. q, k, w [NC, C, Dk]; gc [NC, C]; do, P^T do (pdo), du [NC, C, BV];
-  dh [NC, Dk, BV]; init (the final state's cotangent), last [Dk, BV].
-  """
-  if hoisted:
-    qdo_ref, k_ref, w_ref, gc_ref, pdo_ref, init_ref, dh_ref, du_ref, last_ref = refs
-    local_refs = (qdo_ref,)
-  else:
-    q_ref, k_ref, w_ref, gc_ref, do_ref, pdo_ref, init_ref, dh_ref, du_ref, last_ref = refs
-    local_refs = (q_ref, do_ref)
+  initial state. q, k, w [NC, C, Dk]; gc [NC, C]; do, P^T do (pdo), du [NC, C, BV];
+  dh [NC, Dk, BV]; init (the final state's cotangent), last [Dk, BV]."""
   seg = pl.program_id(2)
   acc = _acc(dtype)
 
   def load(c):
-    return k_ref[c], w_ref[c], gc_ref[c], pdo_ref[c], tuple(r[c] for r in local_refs)
+    return q_ref[c], k_ref[c], w_ref[c], gc_ref[c], do_ref[c], pdo_ref[c]
 
   def step(c, loaded, ds):
-    k, w, gc, pdo, local = loaded
+    q, k, w, gc, do, pdo = loaded
     gc = gc.astype(acc)
     dh_ref[c] = ds.astype(dh_ref.dtype)
     gl = _last(gc)
     k_end = k.astype(acc) * _col(jnp.exp(gl - gc))
     du = pdo.astype(acc) + _dot(k_end, ds, _NN, dtype)
     du_ref[c] = du.astype(du_ref.dtype)
-    if hoisted:
-      q_term = local[0].astype(acc)
-    else:
-      q, do = local
-      q_term = _dot(q.astype(acc) * _col(jnp.exp(gc)), do, _TN, dtype)
-    return jnp.exp(gl) * ds + q_term - _dot(w, du, _TN, dtype)
+    q_dec = q.astype(acc) * _col(jnp.exp(gc))
+    return (jnp.exp(gl) * ds + _dot(q_dec, do, _TN, dtype)
+            - _dot(w, du, _TN, dtype))
 
   last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], dh_ref.shape[0], True, load,
                             step, init_ref[...].astype(acc), prefetch
@@ -525,22 +502,14 @@ def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
 
 
 def _local_du(q, k, gc, do, bs, interpret):
-  """P^T do [NC, C, H, Dv] fp32, and with bs.hoist_qdo also (e^G Q)^T do
-  [NC, H, Dk, Dv] fp32 (see _local_du_kernel)."""
+  """P^T do [NC, C, H, Dv] fp32 (see _local_du_kernel)."""
   nc, c, h, dk = q.shape
-  dv = do.shape[-1]
-  bv = bs.tile_v(dk, dv)
+  bv = bs.tile_v(dk, do.shape[-1])
   keys, values, gates = _tile_specs(c, dk, bv)
-  acc = _acc(q.dtype)
-  out_specs = [values]
-  out_shape = [jax.ShapeDtypeStruct(do.shape, acc)]
-  if bs.hoist_qdo:
-    out_specs.append(pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)))
-    out_shape.append(jax.ShapeDtypeStruct((nc, h, dk, dv), acc))
   return _call(
       functools.partial(_local_du_kernel, dtype=q.dtype), "gdn_local_du", bs, interpret,
-      grid=(nc, h, dv // bv), in_specs=[keys, keys, gates, values],
-      out_specs=out_specs, out_shape=out_shape,
+      grid=(nc, h, do.shape[-1] // bv), in_specs=[keys, keys, gates, values],
+      out_specs=values, out_shape=jax.ShapeDtypeStruct(do.shape, _acc(q.dtype)),
   )(q, k, gc, do)
 
 
@@ -554,24 +523,17 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
   whole = gla._whole(z)
   acc = _acc(q.dtype)
-  if bs.hoist_qdo:
-    pdo, qdo = _local_du(q, k, gc, do, bs, interpret)
-    local, local_specs = (qdo,), [per_chunk]
-  else:
-    (pdo,) = _local_du(q, k, gc, do, bs, interpret)
-    local, local_specs = (q,), [keys]
-  kernel = functools.partial(_dstates_kernel, dtype=q.dtype, prefetch=bs.prefetch,
-                             hoisted=bs.hoist_qdo)
+  pdo = _local_du(q, k, gc, do, bs, interpret)
   call = _call(
-      kernel, "gdn_dstates", bs, interpret, grid=(dv // bv, h, z),
-      in_specs=[whole, whole, *local_specs, keys, keys, gates,
-                *([] if bs.hoist_qdo else [values]), values, state],
+      functools.partial(_dstates_kernel, dtype=q.dtype, prefetch=bs.prefetch),
+      "gdn_dstates", bs, interpret,
+      grid=(dv // bv, h, z),
+      in_specs=[whole, whole, keys, keys, keys, gates, values, values, state],
       out_specs=[per_chunk, values, state],
       out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), q.dtype),
                  jax.ShapeDtypeStruct(do.shape, acc),
                  jax.ShapeDtypeStruct(dfinal.shape, acc)])
-  inputs = (*local, k, w, gc, *([] if bs.hoist_qdo else [do]), pdo)
-  return _walk_longest_first(call, start, count, dfinal, *inputs)
+  return _walk_longest_first(call, start, count, dfinal, q, k, w, gc, do, pdo)
 
 
 def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret):

@@ -91,8 +91,8 @@ class TestPallasGdnGPU:
 
   @pytest.mark.parametrize("b, t, cu, beta_max, exact, dv, blocks", [
       (1, 40, (0, 7, 7, 40), 2.0, True, D, {}),  # ragged, empty seq., T % C != 0, beta <= 2
-      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D,   # Dv in two blocks everywhere, no prefetch,
-       dict(block_v=D, grads_block_v=D, prefetch=False, hoist_qdo=True)),  # hoisted Q^T do
+      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D,   # Dv in two blocks everywhere, no prefetch
+       dict(block_v=D, grads_block_v=D, prefetch=False)),
       (2, 21, None, 1.0, False, D, {}),          # batch rows, T % C != 0, bf16
       (2, 21, None, 1.0, False, D,               # bf16 with plain bf16 products with T
        dict(split_products=False, grads_warps=2)),
