@@ -26,6 +26,14 @@ the device time of every compiled HLO op (`traces.device_ms_by_op`): which fusio
 or sorts the packing around the kernels costs; `--hlo_dir` writes each program's
 optimised HLO to look those names up.
 
+`--gdn_variants` (repeatable; "defaults" for none) traces fwd + bwd of the dense GDN op
+(pallas_chunk, the same setting) once per `chunk_gdn.BlockSizes` variant and prints the
+device time of each kernel by name, with the largest relative gradient error against the
+XLA chunk form in float32 on the same bf16 inputs (`gdn_variants`):
+
+    python -m experiments.profile_kernels --nokernels --gdn_variants=defaults \
+        --gdn_variants=split_products=true --gdn_variants=grads_warps=8
+
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
 times mean nothing. Writes a JSON list of rows to `--out` when given.
 """
@@ -68,6 +76,8 @@ flags.DEFINE_list("trace_partitions", [], "Also trace fwd + bwd of ops.gla and o
 flags.DEFINE_enum("trace_rule", "gla", ["gla", "delta"], "The transition --trace_partitions "
                   "traces: gla (ops.gla / ops.sse) or delta (ops.gdn / ops.sse_gdn, with "
                   "bench_ops' delta-rule inputs; --trace_impls then names sse_gdn impls).")
+flags.DEFINE_multi_string("gdn_variants", [], "chunk_gdn.BlockSizes variants of the dense "
+                          "GDN op to trace per kernel, e.g. 'grads_warps=8' ('defaults').")
 flags.DEFINE_list("trace_impls", ["pallas_varlen"], "SSE impls that --trace_partitions "
                   "traces.")
 flags.DEFINE_string("hlo_dir", "", "With --trace_partitions: write each traced "
@@ -350,6 +360,44 @@ def op_trace(length, heads, dim, partitions, impls, reps, hlo_dir, rule="gla"):
   return rows
 
 
+def gdn_variants(length, heads, dim, chunk, variants, interpret, reps):
+  """Per variant ("defaults" or comma-separated chunk_gdn.BlockSizes fields): device ms
+  per kernel of fwd + bwd of ops.gdn pallas_chunk (two sequences of L/2, bf16) and the
+  largest relative gradient error (dq, dk, dv, dg, dbeta) against ops.gdn "chunk" in
+  float32 on the same bf16 values."""
+  from pallas_kernels import chunk_gdn  # pylint: disable=g-import-not-at-top
+  from sse_jax import ops  # pylint: disable=g-import-not-at-top
+  x = op_setting.delta_inputs(op_setting.make_inputs(length, 1, heads, dim, 1))
+  args = tuple(x[key] for key in ("q", "kn", "v", "gh", "beta"))
+  cot = x["cot"].astype(jnp.float32)
+
+  def grads(impl):
+    loss = lambda *a: jnp.sum(ops.gdn(*a, cu_seqlens=x["cu"], impl=impl,
+                                      chunk_size=chunk)[0].astype(jnp.float32) * cot)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+  want = grads("chunk")(*(a.astype(jnp.float32) for a in args))
+  rows = []
+  for variant in variants:
+    fields = {} if variant == "defaults" else op_setting.parse_variant(variant)
+    bs = chunk_gdn.BlockSizes(chunk=chunk, **fields)
+    step = grads(ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(bs, interpret)))
+    got = step(*args)
+    errors = {name: float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+              for name, g, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want)}
+    del got
+    run = lambda: jax.block_until_ready(step(*args))
+    times = traces.device_ms_by_op(run, reps, by_kernel=True)
+    total = sum(times.values())
+    print(f"gdn {variant}: {total:.3f} ms of device time per fwd + bwd; "
+          + ", ".join(f"{k} {v:.3f}" for k, v in list(times.items())[:12])
+          + "; error vs float32: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+          flush=True)
+    rows.append(dict(gdn_variant=variant, device_ms=total, by_kernel=times,
+                     rel_error=errors))
+  return rows
+
+
 def main(argv):
   del argv
   x = make_inputs(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk)
@@ -390,6 +438,9 @@ def main(argv):
     rows += op_trace(FLAGS.length, FLAGS.heads, FLAGS.dim,
                      [int(n) for n in FLAGS.trace_partitions], FLAGS.trace_impls,
                      FLAGS.reps, FLAGS.hlo_dir, FLAGS.trace_rule)
+  if FLAGS.gdn_variants:
+    rows += gdn_variants(FLAGS.length, FLAGS.heads, FLAGS.dim, FLAGS.chunk,
+                         FLAGS.gdn_variants, FLAGS.interpret, FLAGS.reps)
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(rows, indent=1))
 

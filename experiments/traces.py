@@ -140,10 +140,12 @@ def hlo_sources(hlo_text: str) -> dict[str, Source]:
   return sources
 
 
-def device_ms_by_op(run: Callable[[], object], reps: int) -> dict[str, float]:
+def device_ms_by_op(run: Callable[[], object], reps: int,
+                    by_kernel: bool = False) -> dict[str, float]:
   """{HLO op name: device ms per call} over a profiler trace of `reps` calls of `run`
-  (which must block until its results are ready), largest first. Call `run` once
-  before: compilation and autotuning are not part of a call."""
+  (which must block until its results are ready), largest first; with `by_kernel`, keyed
+  by the device kernel's name instead (a Pallas kernel's is its `pallas_call` name).
+  Call `run` once before: compilation and autotuning are not part of a call."""
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp):
       for _ in range(reps):
@@ -157,5 +159,6 @@ def device_ms_by_op(run: Callable[[], object], reps: int) -> dict[str, float]:
       for event in line.events:
         stats = dict(event.stats)
         if "hlo_op" in stats:
-          total[stats["hlo_op"]] += event.duration_ns / 1e6 / reps
+          total[event.name if by_kernel else stats["hlo_op"]] += (
+              event.duration_ns / 1e6 / reps)
   return dict(total.most_common())

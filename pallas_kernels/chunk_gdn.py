@@ -55,7 +55,8 @@ walks to the parallel kernels are stored in the storage dtype (bf16 for bf16 inp
 float64 for float64 inputs -- interpret mode, for the tests -- else fp32: the matmuls
 that read them round them to it anyway); G, T, the walks' running states, the final
 states and every accumulation are fp32 (float64 for float64). Products with T and the
-[C, C] score matrices use ~16-bit split operands for bf16 (`_exact_dot`).
+[C, C] score matrices round their fp32 operands to bf16, or by choice use ~16-bit split
+operands (`_exact_dot`, `BlockSizes.split_products`).
 """
 
 from __future__ import annotations
@@ -94,21 +95,25 @@ class BlockSizes:
   output kernel (Dk is always whole: u = U - W S contracts over it). num_warps,
   num_stages: Triton launch settings. split_products: for bf16 storage, the products
   with T and the [C, C] gradient matrices use hi + lo split operands (~16 bits, three
-  bf16 products each) rather than operands rounded to bf16 (one product).
-  grads_warps: num_warps of the gradient kernel alone, which holds the most live tiles
-  (None: num_warps). grads_block_v: the Dv columns the gradient kernel reads at a time
-  (None: block_v). prefetch: the walks load the next chunk's inputs one step ahead, in
-  registers (`chunk_gla._walk`), rather than leaving the loads in the step.
+  bf16 products each) rather than operands rounded to bf16 (one product; the default:
+  on an H200 at L = 32K the split products made the gradient kernel 1.9x slower for a
+  largest gradient error against float32 of 3.8e-3 instead of 4.6e-3, fla's own level
+  being 4.5e-3). grads_warps: num_warps of the gradient kernel alone, which holds the
+  most live tiles (None: num_warps). grads_block_v: the Dv columns the gradient kernel
+  reads at a time (None: block_v). prefetch: the walks load the next chunk's inputs one
+  step ahead, in registers (`chunk_gla._walk`), rather than leaving the loads in the
+  step to Triton's pipelining (the default: with [C, Dk] tiles the register copy made
+  the walks 2-5x slower on an H200).
   """
 
   chunk: int = 64
   block_v: int = 64
   num_warps: int = 4
   num_stages: int = 2
-  split_products: bool = True
+  split_products: bool = False
   grads_warps: int | None = None
   grads_block_v: int | None = None
-  prefetch: bool = True
+  prefetch: bool = False
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:

@@ -25,8 +25,8 @@ from sse_jax.ops import impl as impl_lib
 from tests.op_testing import assert_close, random_routing, x64
 from tests.test_ops_gdn import random_gdn
 
-# bf16 q, k, v (fp32 accumulation, ~16-bit products with T and the score matrices)
-# against the float64 scan on the same bf16 values: measured 2e-3 to 4e-3 here.
+# bf16 q, k, v (fp32 accumulation; bf16 or ~16-bit products with T and the score
+# matrices) against the float64 scan on the same bf16 values: measured 2e-3 to 4.2e-3.
 BF16_TOL = 1e-2
 C = 16
 D = 16
@@ -91,11 +91,11 @@ class TestPallasGdnGPU:
 
   @pytest.mark.parametrize("b, t, cu, beta_max, exact, dv, blocks", [
       (1, 40, (0, 7, 7, 40), 2.0, True, D, {}),  # ragged, empty seq., T % C != 0, beta <= 2
-      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D,   # Dv in two blocks everywhere, no prefetch
-       dict(block_v=D, grads_block_v=D, prefetch=False)),
+      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D,   # Dv in two blocks everywhere, prefetch
+       dict(block_v=D, grads_block_v=D, prefetch=True)),
       (2, 21, None, 1.0, False, D, {}),          # batch rows, T % C != 0, bf16
-      (2, 21, None, 1.0, False, D,               # bf16 with plain bf16 products with T
-       dict(split_products=False, grads_warps=2)),
+      (2, 21, None, 1.0, False, D,               # bf16 with split products with T, prefetch
+       dict(split_products=True, grads_warps=2, prefetch=True)),
   ])
   def test_gdn_matches_scan(self, b, t, cu, beta_max, exact, dv, blocks):
     s = b if cu is None else len(cu) - 1
@@ -246,6 +246,19 @@ def test_kernels_lower_for_cuda():
 
   calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
   assert calls == 6, f"expected 6 Triton kernel calls, found {calls}"
+
+
+def test_profile_gdn_variants_measures_time_and_error():
+  """`experiments.profile_kernels.gdn_variants` (interpret mode, tiny): one row per
+  variant with device time and gradient errors against float32 at the bf16 level."""
+  from experiments import profile_kernels  # pylint: disable=g-import-not-at-top
+  rows = profile_kernels.gdn_variants(64, 1, 16, 16, ["defaults", "split_products=true"],
+                                      True, reps=1)
+  assert [r["gdn_variant"] for r in rows] == ["defaults", "split_products=true"]
+  for row in rows:
+    assert row["device_ms"] > 0
+    assert set(row["rel_error"]) == {"dq", "dk", "dv", "dg", "dbeta"}
+    assert all(1e-5 < e < 2e-2 for e in row["rel_error"].values()), row["rel_error"]
 
 
 def test_auto_and_plans_for_the_delta_rule_ops(monkeypatch):
