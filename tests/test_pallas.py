@@ -198,6 +198,9 @@ class TestPallasGPU:
       # The fused walk on the block tiles (its choice for large grids).
       dict(walk_programs=1),
       dict(walk_programs=1, block_k=32, block_v=64, recompute_states=True),
+      # The walks with their loads in the step rather than prefetched.
+      dict(prefetch=False),
+      dict(prefetch=False, fused_states=False, recompute_states=True),
   ])
   def test_block_sizes_and_steep_gates(self, bs):
     """Other tiles, recomputed states, and gates down to -60 per step, on the kernel
