@@ -95,15 +95,15 @@ class BlockSizes:
   output kernel (Dk is always whole: u = U - W S contracts over it). num_warps,
   num_stages: Triton launch settings. split_products: for bf16 storage, the products
   with T and the [C, C] gradient matrices use hi + lo split operands (~16 bits, three
-  bf16 products each) rather than operands rounded to bf16 (one product; the default:
-  on an H200 at L = 32K the split products made the gradient kernel 1.9x slower for a
-  largest gradient error against float32 of 3.8e-3 instead of 4.6e-3, fla's own level
-  being 4.5e-3). grads_warps: num_warps of the gradient kernel alone, which holds the
+  bf16 products each) rather than operands rounded to bf16 (one product). Off by
+  default: on an H200 at L = 32K the split products made the gradient kernel 1.9x
+  slower for a largest gradient error against float32 of 3.8e-3 instead of 4.6e-3
+  (fla's: 4.5e-3). grads_warps: num_warps of the gradient kernel alone, which holds the
   most live tiles (None: num_warps). grads_block_v: the Dv columns the gradient kernel
   reads at a time (None: block_v). prefetch: the walks load the next chunk's inputs one
   step ahead, in registers (`chunk_gla._walk`), rather than leaving the loads in the
-  step to Triton's pipelining (the default: with [C, Dk] tiles the register copy made
-  the walks 2-5x slower on an H200).
+  step to Triton's pipelining. Off by default: the register copy of the [C, Dk] tiles
+  made the walks 2-5x slower on an H200.
   """
 
   chunk: int = 64
