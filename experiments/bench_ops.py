@@ -35,10 +35,9 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from experiments import op_setting
-from experiments.op_setting import make_inputs, parse_variant, time_fn  # pylint: disable=unused-import
+from experiments.op_setting import make_inputs, parse_variant, rel_err, time_fn  # pylint: disable=unused-import
 from pallas_kernels import chunk_gdn as gdn_kernels
 from pallas_kernels import chunk_gla as kernels
 from sse_jax import ops
@@ -140,11 +139,6 @@ def temp_mib(fn, x):
     return mem.temp_size_in_bytes / 2**20
   except Exception:  # memory_analysis is not available on every backend
     return float("nan")
-
-
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def errors(op, impl, n, x):

@@ -3,6 +3,7 @@
   make_inputs  random inputs shaped like an SSE layer's (Fig. 6 setting)
   time_fn      the timing rule: compile, warm up, median of timed runs under `jit`
   parse_variant  "field=value,..." -> BlockSizes overrides (the tools' --variants flags)
+  rel_err      |a - b| / |b| in float64, the tools' error measure
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def make_inputs(length, n, heads, dim, top_k, seed=0, dtype=jnp.bfloat16):
@@ -68,3 +70,9 @@ def parse_variant(text: str) -> dict[str, int | float | bool]:
     else:
       fields[name] = float(value) if "." in value else int(value)
   return fields
+
+
+def rel_err(a, b) -> float:
+  """Relative error |a - b| / |b| (Frobenius norms, in float64)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

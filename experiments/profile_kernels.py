@@ -383,7 +383,7 @@ def gdn_variants(length, heads, dim, chunk, variants, interpret, reps):
     bs = chunk_gdn.BlockSizes(chunk=chunk, **fields)
     step = grads(ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(bs, interpret)))
     got = step(*args)
-    errors = {name: float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+    errors = {name: op_setting.rel_err(g, w)
               for name, g, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want)}
     del got
     run = lambda: jax.block_until_ready(step(*args))

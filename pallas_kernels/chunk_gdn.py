@@ -137,8 +137,10 @@ class BlockSizes:
     return min(self.block_v, dv)
 
   def grads_tile_v(self, dk: int, dv: int) -> int:
-    """The gradient kernel's Dv block: grads_block_v (else block_v) clipped to Dv."""
-    return min(self.grads_block_v or self.tile_v(dk, dv), dv)
+    """The gradient kernel's Dv block: grads_block_v (else block_v) clipped to Dv; the
+    chunk and head dims are checked here."""
+    self.tile_v(dk, dv)
+    return min(self.grads_block_v or self.block_v, dv)
 
 
 # ----------------------------------------------------------------------------------
