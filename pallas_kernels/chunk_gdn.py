@@ -91,8 +91,10 @@ def shape_error(chunk: int | None, dk: int, dv: int) -> str | None:
 class BlockSizes:
   """Tiles and launch parameters; frozen (hashable): a static argument.
 
-  chunk: C, tokens per chunk. block_v: Dv columns per program of the walks and the
-  output kernel (Dk is always whole: u = U - W S contracts over it). num_warps,
+  chunk: C, tokens per chunk. block_v: Dv columns per program of the output and local
+  du kernels. walk_block_v: Dv columns per program of the two walks (None: block_v; Dk
+  is always whole there: u = U - W S contracts over it); smaller tiles, more programs
+  and shorter steps on the op's sequential part. num_warps,
   num_stages: Triton launch settings. split_products: for bf16 storage, the products
   with T and the [C, C] gradient matrices use hi + lo split operands (~16 bits, three
   bf16 products each) rather than operands rounded to bf16 (one product). Off by
@@ -100,7 +102,8 @@ class BlockSizes:
   slower for a largest gradient error against float32 of 3.8e-3 instead of 4.6e-3
   (fla's: 4.5e-3). grads_warps: num_warps of the gradient kernel alone, which holds the
   most live tiles (None: num_warps). grads_block_v: the Dv columns the gradient kernel
-  reads at a time (None: block_v). prefetch: the walks load the next chunk's inputs one
+  reads at a time (None: block_v). grads_block_k: the Dk columns of dq and dk its
+  second pass forms at a time (None: all of Dk). prefetch: the walks load the next chunk's inputs one
   step ahead, in registers (`chunk_gla._walk`), rather than leaving the loads in the
   step to Triton's pipelining. Off by default: the register copy of the [C, Dk] tiles
   made the walks 2-5x slower on an H200.
@@ -112,15 +115,17 @@ class BlockSizes:
   num_stages: int = 2
   split_products: bool = False
   grads_warps: int | None = None
+  walk_block_v: int | None = None
   grads_block_v: int | None = None
+  grads_block_k: int | None = None
   prefetch: bool = False
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
       raise ValueError(f"chunk={self.chunk} must be one of {CHUNKS}")
-    for name in ("block_v", "grads_block_v"):
+    for name in ("block_v", "walk_block_v", "grads_block_v", "grads_block_k"):
       tile = getattr(self, name)
-      if tile not in HEAD_DIMS and not (name == "grads_block_v" and tile is None):
+      if tile not in HEAD_DIMS and not (name != "block_v" and tile is None):
         raise ValueError(f"{name}={tile} must be one of {HEAD_DIMS}")
     for name in ("num_warps", "grads_warps"):
       warps = getattr(self, name)
@@ -136,11 +141,23 @@ class BlockSizes:
       raise ValueError(error)
     return min(self.block_v, dv)
 
+  def walk_tile_v(self, dk: int, dv: int) -> int:
+    """The walks' Dv tile: walk_block_v (else block_v) clipped to Dv; the chunk and head
+    dims are checked here."""
+    self.tile_v(dk, dv)
+    return min(self.walk_block_v or self.block_v, dv)
+
   def grads_tile_v(self, dk: int, dv: int) -> int:
     """The gradient kernel's Dv block: grads_block_v (else block_v) clipped to Dv; the
     chunk and head dims are checked here."""
     self.tile_v(dk, dv)
     return min(self.grads_block_v or self.block_v, dv)
+
+  def grads_tile_k(self, dk: int, dv: int) -> int:
+    """The Dk tile of the gradient kernel's second pass: grads_block_k (else the whole
+    Dk) clipped to Dk; the chunk and head dims are checked here."""
+    self.tile_v(dk, dv)
+    return min(self.grads_block_k or dk, dk)
 
 
 # ----------------------------------------------------------------------------------
@@ -334,81 +351,88 @@ def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, p
 
 def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
                   dh_ref, do_ref, du_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
-                  dtype, split, block_v):
+                  dtype, split, block_k, block_v):
   """dq, dk [C, Dk], dv [C, Dv], dbeta and dg [C] of one (chunk, head), from the state
   entering it (h), the gradient of the state after it (dh), u, du and T (module
   docstring); zero in a chunk of no segment.
 
-  The value side (v, u, do, du and the [Dk, Dv] states) is read in column blocks of
-  `block_v`, each contracted into [C, C] and [C, Dk] accumulators, so no whole state
-  tile is ever live (two [128, 128] fp32 tiles would not fit in registers).
+  Two passes, so that no [C, Dk] accumulator is live beside the [C, C] ones (at
+  C = Dk = Dv = 128 the one-pass form needs ~256 fp32 registers per thread at 4 warps):
+  1. over Dv blocks of `block_v`: do u^T, dv, and all of dT through
+     dT = dW Kb^T + du (diag(beta) V)^T = du (diag(beta) V - Kb S)^T (dW = -du S^T,
+     Kb = diag(beta e^G) K), which needs no dW; then dA and M.
+  2. over Dk tiles of `block_k`, each from its own pass over Dv blocks: the
+     [C, block_k] columns of do S^T, u dS^T and dW, and from them the tile's dq and dk.
   """
   acc = _acc(dtype)
   xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
   valid = valid_ref[pl.program_id(0)] > 0
-  q, k = q_ref[...], k_ref[...]
-  qf, kf = q.astype(acc), k.astype(acc)
   gc, beta = gc_ref[...].astype(acc), beta_ref[...].astype(acc)
-  inv = t_ref[...].astype(acc)
-  c, dk_dim = kf.shape
+  c, dk_dim = k_ref.shape
   gl = _last(gc)
   e_g, e_end = jnp.exp(gc), jnp.exp(gl - gc)
+  v_blocks = [pl.ds(j * block_v, block_v) for j in range(dv_ref.shape[1] // block_v)]
+  k_tiles = [pl.ds(i * block_k, block_k) for i in range(dk_dim // block_k)]
 
-  # Value-side contractions, block by block: do u^T, do S^T, u dS^T, -du S^T,
-  # du (diag(beta) V)^T, sum(S o dS); dv and (T^T dU)_t . v_t per block.
+  # Pass 1: do u^T, dT, dv and (T^T dU)_t . v_t.
+  inv = t_ref[...].astype(acc)
+  kb = k_ref[...].astype(acc) * _col(beta * e_g)                          # Kb
   do_u = jnp.zeros((c, c), acc)
-  du_vb = jnp.zeros((c, c), acc)
-  do_h = jnp.zeros((c, dk_dim), acc)
-  u_dh = jnp.zeros((c, dk_dim), acc)
-  dw = jnp.zeros((c, dk_dim), acc)
+  d_t = jnp.zeros((c, c), acc)
   dbeta = jnp.zeros((c,), acc)
-  h_dh = jnp.zeros((), acc)
-  for j in range(dv_ref.shape[1] // block_v):
-    block = pl.ds(j * block_v, block_v)
-    u, do = u_ref[:, block], do_ref[:, block]
+  for block in v_blocks:
     du = du_ref[:, block].astype(acc)
     vf = v_ref[:, block].astype(acc)
-    h, dh = h_ref[:, block], dh_ref[:, block]
-    do_u = do_u + _dot(do, u, _NT, dtype)
-    do_h = do_h + _dot(do, h, _NT, dtype)
-    u_dh = u_dh + _dot(u, dh, _NT, dtype)
-    dw = dw - _dot(du, h, _NT, dtype)
-    du_vb = du_vb + xdot(du, vf * _col(beta), _NT)
+    do_u = do_u + _dot(do_ref[:, block], u_ref[:, block], _NT, dtype)
+    d_t = d_t + xdot(du, vf * _col(beta) - _dot(kb, h_ref[:, block], _NN, dtype), _NT)
     dvb = xdot(inv, du, _TN)                                            # T^T dU
     dv_ref[:, block] = jnp.where(valid, _col(beta) * dvb, 0.0).astype(dv_ref.dtype)
     dbeta = dbeta + jnp.sum(dvb * vf, axis=1)
-    h_dh = h_dh + jnp.sum(h.astype(acc) * dh.astype(acc))
 
-  # The output's terms: o = e^G (Q S) + P u.
+  # The [C, C] terms: dP o D from o = e^G (Q S) + P u, dA and M from the WY terms.
   dp = _decay(gc, lambda t, s: s <= t) * do_u                           # dP o D
-  dq_inter = _col(e_g) * do_h
-  dq = dq_inter + xdot(dp, kf, _NN)
-  # The state update's terms: S_next = e^{G_C} S + (e^{G_C - G} K)^T u.
-  dk_end = _col(e_end) * u_dh
-  dk = dk_end + xdot(dp, qf, _TN)
-  dpp = dp * _dot(q, k, _NT, dtype)                                     # dP o P
-  # The WY terms: u = U - W S, W = T Kb, U = T Vb.
-  dkb = xdot(inv, dw, _TN)                                              # T^T dW
-  kb = kf * _col(beta * e_g)
-  d_t = xdot(dw, kb, _NT) + du_vb
+  dpp = dp * _dot(q_ref[...], k_ref[...], _NT, dtype)                   # dP o P
   rows, cols = _iotas(c)
   d_a = jnp.where(cols < rows, -xdot(xdot(inv, d_t, _TN), inv, _NT), 0.0)
   a_decay = _decay(gc, lambda t, s: s < t)
-  kk = _dot(k, k, _NT, dtype)
+  kk = _dot(k_ref[...], k_ref[...], _NT, dtype)
   m = d_a * a_decay * _col(beta)                                        # dA o D o beta
-  dk = dk + _col(beta * e_g) * dkb + xdot(m, kf, _NN) + xdot(m, kf, _TN)
-  kb_dot = jnp.sum(dkb * kf, axis=1)                                    # (T^T dW)_t . k_t
   daa = m * kk                                                          # dA o A
-  dbeta = dbeta + e_g * kb_dot + jnp.sum(d_a * a_decay * kk, axis=1)
-  dgc = (jnp.sum(qf * dq_inter, axis=1) + jnp.sum(dpp, axis=1) - jnp.sum(dpp, axis=0)
-         - jnp.sum(kf * dk_end, axis=1) + beta * e_g * kb_dot
+  dbeta = dbeta + jnp.sum(d_a * a_decay * kk, axis=1)
+  dgc = (jnp.sum(dpp, axis=1) - jnp.sum(dpp, axis=0)
          + jnp.sum(daa, axis=1) - jnp.sum(daa, axis=0))
+
+  # Pass 2, per Dk tile: do S^T, u dS^T, dW = -du S^T, then dq and dk.
+  end_share = jnp.zeros((), acc)
+  for tile in k_tiles:
+    do_h = jnp.zeros((c, block_k), acc)
+    u_dh = jnp.zeros((c, block_k), acc)
+    dw = jnp.zeros((c, block_k), acc)
+    for block in v_blocks:
+      do, u = do_ref[:, block], u_ref[:, block]
+      h, dh = h_ref[tile, block], dh_ref[tile, block]
+      do_h = do_h + _dot(do, h, _NT, dtype)
+      u_dh = u_dh + _dot(u, dh, _NT, dtype)
+      dw = dw - _dot(du_ref[:, block], h, _NT, dtype)
+      end_share = end_share + jnp.exp(gl) * jnp.sum(h.astype(acc) * dh.astype(acc))
+    qf, kf = q_ref[:, tile].astype(acc), k_ref[:, tile].astype(acc)
+    dq_inter = _col(e_g) * do_h
+    dk_end = _col(e_end) * u_dh
+    dkb = xdot(t_ref[...].astype(acc), dw, _TN)                          # T^T dW
+    kb_dot = jnp.sum(dkb * kf, axis=1)                                  # (T^T dW)_t . k_t
+    dq = dq_inter + xdot(dp, kf, _NN)
+    dk = (dk_end + xdot(dp, qf, _TN) + _col(beta * e_g) * dkb + xdot(m, kf, _NN)
+          + xdot(m, kf, _TN))
+    dq_ref[:, tile] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
+    dk_ref[:, tile] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
+    dbeta = dbeta + e_g * kb_dot
+    dgc = (dgc + jnp.sum(qf * dq_inter, axis=1) - jnp.sum(kf * dk_end, axis=1)
+           + beta * e_g * kb_dot)
+    end_share = end_share + jnp.sum(kf * dk_end)
+
   pos = lax.broadcasted_iota(jnp.int32, (c,), 0)
-  end_share = jnp.sum(kf * dk_end) + jnp.exp(gl) * h_dh
   dgc = dgc + jnp.where(pos == c - 1, end_share, 0.0)
   dg = jnp.sum(dgc) - jnp.cumsum(dgc, axis=0) + dgc                     # suffix sums
-  dq_ref[...] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
-  dk_ref[...] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
   dbeta_ref[...] = jnp.where(valid, dbeta, 0.0).astype(dbeta_ref.dtype)
   dg_ref[...] = jnp.where(valid, dg, 0.0).astype(dg_ref.dtype)
 
@@ -471,7 +495,7 @@ def _states(k, w, uu, gc, h0, start, count, bs, interpret):
   nc, c, h, dk = k.shape
   dv = uu.shape[-1]
   z = h0.shape[0]
-  bv = bs.tile_v(dk, dv)
+  bv = bs.walk_tile_v(dk, dv)
   state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
   whole = gla._whole(z)
   call = _call(
@@ -526,7 +550,7 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   nc, c, h, dk = q.shape
   dv = do.shape[-1]
   z = dfinal.shape[0]
-  bv = bs.tile_v(dk, dv)
+  bv = bs.walk_tile_v(dk, dv)
   state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
   whole = gla._whole(z)
   acc = _acc(q.dtype)
@@ -544,24 +568,28 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
 
 
 def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret):
-  """(dq, dk, dv, dbeta, dg) in the accumulation dtype (see _grads_kernel)."""
+  """(dq, dk, dv) in the storage dtype, (dbeta, dg) in the accumulation dtype (see
+  _grads_kernel). The op returns gradients in its inputs' dtype: written so here, they
+  need no fp32 copy and conversion pass."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   acc = _acc(q.dtype)
   spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
   gate = pl.BlockSpec((None, c, None), lambda n, hh: (n, 0, hh))
   state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
-  shape = lambda x: jax.ShapeDtypeStruct(x.shape, acc)
+  shape = lambda x, dtype=acc: jax.ShapeDtypeStruct(x.shape, dtype)
   return _call(
       functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products,
-                        block_v=bs.grads_tile_v(dk, dv)), "gdn_grads",
+                        block_k=bs.grads_tile_k(dk, dv), block_v=bs.grads_tile_v(dk, dv)),
+      "gdn_grads",
       dataclasses.replace(bs, num_warps=bs.grads_warps or bs.num_warps), interpret,
       grid=(nc, h),
       in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate,
                 pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
                 spec(dv), state, state, spec(dv), spec(dv)],
       out_specs=[spec(dk), spec(dk), spec(dv), gate, gate],
-      out_shape=[shape(q), shape(k), shape(v), shape(gc), shape(gc)],
+      out_shape=[shape(q, q.dtype), shape(k, k.dtype), shape(v, v.dtype), shape(gc),
+                 shape(gc)],
   )(valid, q, k, v, gc, beta, inv, u, h_start, dh, do, du)
 
 
@@ -591,8 +619,7 @@ def _core_bwd(bs, interpret, res, cot):
                          interpret)
   dq, dk, dv, dbeta, dg = _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid,
                                  bs, interpret)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg,
-          dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None)
+  return dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None
 
 
 _core.defvjp(_core_fwd, _core_bwd)

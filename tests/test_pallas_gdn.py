@@ -89,22 +89,23 @@ class TestPallasGdnGPU:
     bs = kernels.BlockSizes(chunk=C, **block_sizes) if block_sizes else None
     return ops.Plan(ops.Algorithm(algorithm), ops.PallasCore(bs, self.INTERPRET))
 
-  @pytest.mark.parametrize("b, t, cu, beta_max, exact, dv, blocks", [
-      (1, 40, (0, 7, 7, 40), 2.0, True, D, {}),  # ragged, empty seq., T % C != 0, beta <= 2
-      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D,   # Dv in two blocks everywhere, prefetch
-       dict(block_v=D, grads_block_v=D, prefetch=True)),
-      (2, 21, None, 1.0, False, D, {}),          # batch rows, T % C != 0, bf16
-      (2, 21, None, 1.0, False, D,               # bf16 with split products with T, prefetch
-       dict(split_products=True, grads_warps=2, prefetch=True)),
+  @pytest.mark.parametrize("b, t, cu, beta_max, exact, dk, dv, blocks", [
+      (1, 40, (0, 7, 7, 40), 2.0, True, D, D, {}),  # ragged, empty seq., T % C != 0
+      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D, 2 * D,  # walks and gradients over two
+       dict(walk_block_v=D, grads_block_v=D, grads_block_k=D, prefetch=True)),  # tiles
+      (2, 21, None, 1.0, False, D, D, {}),          # batch rows, T % C != 0, bf16
+      (2, 21, None, 1.0, False, 2 * D, 2 * D,       # bf16, split products, output and
+       dict(block_v=D, split_products=True, grads_warps=2, grads_block_k=D,  # local du
+            prefetch=True)),                                                 # in 2 tiles
   ])
-  def test_gdn_matches_scan(self, b, t, cu, beta_max, exact, dv, blocks):
+  def test_gdn_matches_scan(self, b, t, cu, beta_max, exact, dk, dv, blocks):
     s = b if cu is None else len(cu) - 1
     cu = None if cu is None else jnp.asarray(cu, jnp.int32)
     with x64():
       dtype, tol = (self.EXACT, self.exact_tol) if exact else (jnp.bfloat16, BF16_TOL)
       keys = jax.random.split(jax.random.PRNGKey(1), 4)
-      x = _up(random_gdn(keys[0], b, t, 2, D, dv, jnp.float32, beta_max), dtype)
-      h0 = jax.random.normal(keys[1], (s, 2, D, dv), jnp.float32)
+      x = _up(random_gdn(keys[0], b, t, 2, dk, dv, jnp.float32, beta_max), dtype)
+      h0 = jax.random.normal(keys[1], (s, 2, dk, dv), jnp.float32)
       cot = (jax.random.normal(keys[2], x.v.shape, jnp.float32),
              jax.random.normal(keys[3], h0.shape, jnp.float32))
       h0, cot = _up((h0, cot), self.EXACT if exact else jnp.float32)
