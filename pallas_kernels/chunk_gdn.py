@@ -103,7 +103,9 @@ class BlockSizes:
   (fla's: 4.5e-3). grads_warps: num_warps of the gradient kernel alone, which holds the
   most live tiles (None: num_warps). grads_block_v: the Dv columns the gradient kernel
   reads at a time (None: block_v). grads_block_k: the Dk columns of dq and dk its
-  second pass forms at a time (None: all of Dk). prefetch: the walks load the next chunk's inputs one
+  second pass forms at a time (None: all of Dk). prepare_block: the diagonal blocks of
+  T inverted by substitution in the prepare kernel (clipped to the chunk; the chunk
+  itself: one whole-chunk substitution). prefetch: the walks load the next chunk's inputs one
   step ahead, in registers (`chunk_gla._walk`), rather than leaving the loads in the
   step to Triton's pipelining. Off by default: the register copy of the [C, Dk] tiles
   made the walks 2-5x slower on an H200.
@@ -118,6 +120,7 @@ class BlockSizes:
   walk_block_v: int | None = None
   grads_block_v: int | None = None
   grads_block_k: int | None = None
+  prepare_block: int = 16
   prefetch: bool = False
 
   def __post_init__(self):
@@ -131,6 +134,8 @@ class BlockSizes:
       warps = getattr(self, name)
       if warps not in (1, 2, 4, 8, 16) and not (name == "grads_warps" and warps is None):
         raise ValueError(f"{name}={warps} must be a power of 2 <= 16")
+    if self.prepare_block not in CHUNKS:
+      raise ValueError(f"prepare_block={self.prepare_block} must be one of {CHUNKS}")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -234,37 +239,70 @@ def _strict_a(k, gc, beta, dtype):
 
 
 def _prepare_kernel(k_ref, v_ref, g_ref, beta_ref, gc_ref, t_ref, w_ref, u_ref, *, dtype,
-                    split):
+                    split, block):
   """One (chunk, head): G = cumsum(g) [C], T = (I + A)^{-1} [C, C], W [C, Dk] and
-  U [C, Dv] (module docstring).
+  U [C, Dv] (module docstring), in [block, block] blocks of T (nb = C / block).
 
-  T by forward substitution: starting from I, row i becomes e_i - sum_{j < i} A_ij T_j
-  (rows j < i are final by then; A_ij = 0 for j >= i). Column i of A^T is row i of A
-  as a column, read by a masked sum (Triton cannot slice a value).
+  T is block lower triangular: each diagonal block T_ii = (I + A_ii)^{-1} by forward
+  substitution (row r becomes e_r - sum_{j < r} A_rj T_j, one row per step: block
+  steps of [block, block] vector work), the blocks below it by
+  T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fp32 products), in order of i. Small
+  blocks trade the C steps of [C, C] vector work of a whole-chunk substitution for
+  nb (nb - 1) (nb + 1) / 6 small matmuls.
   """
   acc = _acc(dtype)
   xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
-  k = k_ref[...].astype(acc)
-  beta = beta_ref[...].astype(acc)
-  gc = jnp.cumsum(g_ref[...].astype(acc), axis=0)
-  gc_ref[...] = gc
-  c = gc.shape[0]
-  rows, cols = _iotas(c)
-  # A^T[r, c] = A[c, r] = beta_c e^{G_c - G_r} k_c . k_r for r < c.
-  upper = rows < cols
-  a_t = jnp.where(upper, _row(beta) * jnp.exp(jnp.where(upper, _row(gc) - _col(gc), 0.0)),
-                  0.0) * _dot(k, k, _NT, dtype)
+  nb = k_ref.shape[0] // block
+  part = [pl.ds(i * block, block) for i in range(nb)]
+  ks = [k_ref[p] for p in part]
+  betas = [beta_ref[p].astype(acc) for p in part]
+  gcs, offset = [], jnp.zeros((), acc)
+  for p in part:  # G block by block: the in-block sums plus all earlier blocks' total
+    g = g_ref[p].astype(acc)
+    gcs.append(offset + jnp.cumsum(g, axis=0))
+    offset = offset + jnp.sum(g)
+    gc_ref[p] = gcs[-1]
+  rows, cols = _iotas(block)
   eye = (rows == cols).astype(acc)
 
-  def substitute(i, inv):
-    a_i = jnp.sum(jnp.where(cols == i, a_t, 0.0), axis=1, keepdims=True)       # [C, 1]
-    new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(a_i * inv, axis=0, keepdims=True)
-    return jnp.where(rows == i, new, inv)
+  def a_block(i, m):
+    """A_im [block, block] for m < i: beta_t e^{G_t - G_s} k_t . k_s (exponents <= 0)."""
+    return (_col(betas[i]) * jnp.exp(_col(gcs[i]) - _row(gcs[m]))
+            * _dot(ks[i], ks[m], _NT, dtype))
 
-  inv = lax.fori_loop(1, c, substitute, eye)
-  t_ref[...] = inv.astype(t_ref.dtype)
-  w_ref[...] = xdot(inv, k * _col(beta * jnp.exp(gc)), _NN).astype(w_ref.dtype)
-  u_ref[...] = xdot(inv, v_ref[...].astype(acc) * _col(beta), _NN).astype(u_ref.dtype)
+  def invert_diagonal(i):
+    # A_ii^T[r, c] = A_ii[c, r] = beta_c e^{G_c - G_r} k_c . k_r for r < c; column r
+    # of A^T is row r of A as a column, read by a masked sum (Triton cannot slice a
+    # value).
+    upper = rows < cols
+    a_t = jnp.where(upper, _row(betas[i]) * jnp.exp(
+        jnp.where(upper, _row(gcs[i]) - _col(gcs[i]), 0.0)), 0.0) * _dot(
+            ks[i], ks[i], _NT, dtype)
+
+    def substitute(r, inv):
+      a_r = jnp.sum(jnp.where(cols == r, a_t, 0.0), axis=1, keepdims=True)     # [b, 1]
+      new = jnp.where(cols == r, 1.0, 0.0) - jnp.sum(a_r * inv, axis=0, keepdims=True)
+      return jnp.where(rows == r, new, inv)
+
+    return lax.fori_loop(1, block, substitute, eye)
+
+  t = {}
+  for i in range(nb):
+    t[i, i] = invert_diagonal(i)
+    a_row = {m: a_block(i, m) for m in range(i)}
+    for j in range(i - 1, -1, -1):
+      below = functools.reduce(jnp.add, [_dot(a_row[m], t[m, j], _NN, acc)
+                                         for m in range(j, i)])
+      t[i, j] = -_dot(t[i, i], below, _NN, acc)
+  kbs = [ks[j].astype(acc) * _col(betas[j] * jnp.exp(gcs[j])) for j in range(nb)]
+  vbs = [v_ref[p].astype(acc) * _col(betas[j]) for j, p in enumerate(part)]
+  for i, p in enumerate(part):
+    for j, q in enumerate(part):
+      t_ref[p, q] = (t[i, j] if j <= i else jnp.zeros_like(eye)).astype(t_ref.dtype)
+    w_ref[p] = functools.reduce(jnp.add, [xdot(t[i, j], kbs[j], _NN)
+                                          for j in range(i + 1)]).astype(w_ref.dtype)
+    u_ref[p] = functools.reduce(jnp.add, [xdot(t[i, j], vbs[j], _NN)
+                                          for j in range(i + 1)]).astype(u_ref.dtype)
 
 
 def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref, h_ref,
@@ -455,7 +493,8 @@ def _prepare(k, v, g, beta, bs, interpret):
   spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
   gate = pl.BlockSpec((None, c, None), lambda n, hh: (n, 0, hh))
   return _call(
-      functools.partial(_prepare_kernel, dtype=k.dtype, split=bs.split_products),
+      functools.partial(_prepare_kernel, dtype=k.dtype, split=bs.split_products,
+                        block=min(bs.prepare_block, c)),
       "gdn_prepare", bs, interpret,
       grid=(nc, h), in_specs=[spec(dk), spec(dv), gate, gate],
       out_specs=[gate, pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),

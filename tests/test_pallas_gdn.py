@@ -199,6 +199,40 @@ class TestPallasGdnGPU:
              ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
 
 
+  @pytest.mark.parametrize("chunk, prepare_block", [(64, 16), (32, 16), (64, 32)])
+  def test_core_with_t_in_blocks(self, chunk, prepare_block):
+    """T = (I + A)^{-1} built from [prepare_block]^2 blocks (2 or 4 along the chunk,
+    below-diagonal blocks from one or several earlier ones) against the token-by-token
+    reference: outputs, final states and every gradient, over two segments of a
+    chunk and a half-filled one."""
+    with x64():
+      dtype = self.EXACT
+      keys = jax.random.split(jax.random.PRNGKey(9), 7)
+      shape = (1, 3, chunk, 1)
+      q, k = (jax.random.normal(kk, shape + (D,), dtype) for kk in keys[:2])
+      k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+      v = jax.random.normal(keys[2], shape + (D,), dtype)
+      g = -0.2 * jnp.abs(jax.random.normal(keys[3], shape, dtype))
+      beta = 2.0 * jax.random.uniform(keys[4], shape, dtype)
+      h0 = jax.random.normal(keys[5], (2, 1, D, D), dtype)
+      cot = jax.random.normal(keys[6], shape + (D,), dtype)
+      start, count = jnp.asarray([0, 1]), jnp.asarray([1, 2])
+      bs = kernels.BlockSizes(chunk=chunk, prepare_block=prepare_block)
+
+      def run(core):
+        def loss(q, k, v, g, beta, h0):
+          o, f = core(q, k, v, g, beta, h0, start, count)
+          return jnp.sum(o * cot) + jnp.sum(f * f), (o, f)
+        return jax.jit(jax.value_and_grad(loss, tuple(range(6)), has_aux=True))(
+            q, k, v, g, beta, h0)
+
+      (_, out), grads = run(functools.partial(kernels.chunk_gdn, block_sizes=bs,
+                                              interpret=self.INTERPRET))
+      (_, ref), ref_grads = run(kernels.reference)
+    _compare((out, grads), (ref, ref_grads), self.exact_tol,
+             ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
+
+
 class TestPallasGdnInterpret(TestPallasGdnGPU):
   INTERPRET = True
   EXACT = jnp.float64
