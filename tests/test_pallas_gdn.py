@@ -64,6 +64,29 @@ def _sse_value_and_grads(impl, n, cu, gate, read):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
+def _core_value_and_grads(core, x, start, count, cot):
+  """(o, final) and the gradients w.r.t. (q, k, v, g, beta, h0) = x of a kernel core's
+  loss sum(o * cot) + sum(final^2), over the segment table (start, count)."""
+  def loss(*x):
+    o, f = core(*x, start, count)
+    return jnp.sum(o * cot) + jnp.sum(f * f), (o, f)
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, tuple(range(6)), has_aux=True))(*x)
+  return out, grads
+
+
+def _core_inputs(key, shape, dk, dv, segments, dtype):
+  """Random core inputs (q, k, v, g, beta, h0) and a cotangent of o: chunks `shape` =
+  (B, NC, C, H), unit-norm keys, g = -0.2 |N(0, 1)|, beta ~ U(0, 2)."""
+  keys = jax.random.split(key, 7)
+  q, k = (jax.random.normal(kk, shape + (dk,), dtype) for kk in keys[:2])
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(keys[2], shape + (dv,), dtype)
+  g = -0.2 * jnp.abs(jax.random.normal(keys[3], shape, dtype))
+  beta = 2.0 * jax.random.uniform(keys[4], shape, dtype)
+  h0 = jax.random.normal(keys[5], (segments, shape[3], dk, dv), dtype)
+  return (q, k, v, g, beta, h0), jax.random.normal(keys[6], shape + (dv,), dtype)
+
+
 GDN_NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 SSE_NAMES = ("o", "final", "final'", "dq", "dk", "dv", "dg", "dbeta", "dweights",
              "dread_weights", "dq'", "dk'", "dg'", "dbeta'", "dh0", "dh0'")
@@ -173,64 +196,32 @@ class TestPallasGdnGPU:
     chunks, a segment of two chunks, an empty one, a chunk of no segment (zero output)
     and hard-reset-sized gates (LOG_DECAY_FLOOR rows)."""
     with x64():
-      dtype = self.EXACT
-      keys = jax.random.split(jax.random.PRNGKey(8), 7)
-      shape = (2, 2, C, 1)
-      q, k = (jax.random.normal(kk, shape + (D,), dtype) for kk in keys[:2])
-      k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-      v = jax.random.normal(keys[2], shape + (2 * D,), dtype)
-      g = (-jnp.abs(jax.random.normal(keys[3], shape, dtype))).at[0, 1, 5].set(-200.0)
-      beta = jax.random.uniform(keys[4], shape, dtype)
-      h0 = jax.random.normal(keys[5], (3, 1, D, 2 * D), dtype)
-      cot = jax.random.normal(keys[6], shape + (2 * D,), dtype)
+      x, cot = _core_inputs(jax.random.PRNGKey(8), (2, 2, C, 1), D, 2 * D, 3, self.EXACT)
+      q, k, v, g, beta, h0 = x
+      x = (q, k, v, g.at[0, 1, 5].set(-200.0), beta, h0)
       start, count = jnp.asarray([0, 2, 2]), jnp.asarray([2, 0, 1])
-
-      def run(core):
-        def loss(q, k, v, g, beta, h0):
-          o, f = core(q, k, v, g, beta, h0, start, count)
-          return jnp.sum(o * cot) + jnp.sum(f * f), (o, f)
-        return jax.jit(jax.value_and_grad(loss, tuple(range(6)), has_aux=True))(
-            q, k, v, g, beta, h0)
-
-      (_, out), grads = run(functools.partial(kernels.chunk_gdn, interpret=self.INTERPRET))
-      (_, ref), ref_grads = run(kernels.reference)
+      out, grads = _core_value_and_grads(
+          functools.partial(kernels.chunk_gdn, interpret=self.INTERPRET), x, start, count,
+          cot)
+      ref, ref_grads = _core_value_and_grads(kernels.reference, x, start, count, cot)
     assert not np.any(np.asarray(out[0])[1, 1]), "a chunk of no segment"
-    _compare((out, grads), (ref, ref_grads), self.exact_tol,
-             ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
-
+    _compare((out, grads), (ref, ref_grads), self.exact_tol, GDN_NAMES)
 
   @pytest.mark.parametrize("chunk, prepare_block", [(64, 16), (32, 16), (64, 32)])
   def test_core_with_t_in_blocks(self, chunk, prepare_block):
     """T = (I + A)^{-1} built from [prepare_block]^2 blocks (2 or 4 along the chunk,
     below-diagonal blocks from one or several earlier ones) against the token-by-token
-    reference: outputs, final states and every gradient, over two segments of a
-    chunk and a half-filled one."""
+    reference: outputs, final states and every gradient, over a segment of one chunk
+    and one of two."""
     with x64():
-      dtype = self.EXACT
-      keys = jax.random.split(jax.random.PRNGKey(9), 7)
-      shape = (1, 3, chunk, 1)
-      q, k = (jax.random.normal(kk, shape + (D,), dtype) for kk in keys[:2])
-      k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-      v = jax.random.normal(keys[2], shape + (D,), dtype)
-      g = -0.2 * jnp.abs(jax.random.normal(keys[3], shape, dtype))
-      beta = 2.0 * jax.random.uniform(keys[4], shape, dtype)
-      h0 = jax.random.normal(keys[5], (2, 1, D, D), dtype)
-      cot = jax.random.normal(keys[6], shape + (D,), dtype)
+      x, cot = _core_inputs(jax.random.PRNGKey(9), (1, 3, chunk, 1), D, D, 2, self.EXACT)
       start, count = jnp.asarray([0, 1]), jnp.asarray([1, 2])
       bs = kernels.BlockSizes(chunk=chunk, prepare_block=prepare_block)
-
-      def run(core):
-        def loss(q, k, v, g, beta, h0):
-          o, f = core(q, k, v, g, beta, h0, start, count)
-          return jnp.sum(o * cot) + jnp.sum(f * f), (o, f)
-        return jax.jit(jax.value_and_grad(loss, tuple(range(6)), has_aux=True))(
-            q, k, v, g, beta, h0)
-
-      (_, out), grads = run(functools.partial(kernels.chunk_gdn, block_sizes=bs,
-                                              interpret=self.INTERPRET))
-      (_, ref), ref_grads = run(kernels.reference)
-    _compare((out, grads), (ref, ref_grads), self.exact_tol,
-             ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
+      out, grads = _core_value_and_grads(
+          functools.partial(kernels.chunk_gdn, block_sizes=bs, interpret=self.INTERPRET),
+          x, start, count, cot)
+      ref, ref_grads = _core_value_and_grads(kernels.reference, x, start, count, cot)
+    _compare((out, grads), (ref, ref_grads), self.exact_tol, GDN_NAMES)
 
 
 class TestPallasGdnInterpret(TestPallasGdnGPU):
