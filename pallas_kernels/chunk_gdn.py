@@ -117,7 +117,9 @@ class BlockSizes:
   num_stages: int = 2
   split_products: bool = False
   grads_warps: int | None = None
-  walk_block_v: int | None = None
+  # H200, L = 32K: the walks with Dv tiles of 32 (64 programs) instead of 64: forward
+  # 0.64 -> 0.51 ms, reverse 1.13 -> 0.92 ms.
+  walk_block_v: int | None = 32
   grads_block_v: int | None = None
   grads_block_k: int | None = None
   prepare_block: int = 16
