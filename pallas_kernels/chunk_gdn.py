@@ -19,8 +19,9 @@ decay), S the state entering the chunk and D_ts = e^{G_t - G_s} for s <= t (else
   S_next = e^{G_C} S + (diag(e^{G_C - G}) K)^T u
 
 Kernels (grid; what each program does):
-  _prepare_kernel (NC, H)          G = cumsum(g), T by forward substitution (one row per
-                                   step, C steps of [C, C] vector work), W and U.
+  _prepare_kernel (NC, H)          G = cumsum(g), T in [16, 16] blocks (the diagonal
+                                   ones by forward substitution, one row per step; the
+                                   ones below from them by small matmuls), W and U.
   _states_kernel  (nV, H, Z)       walk a segment's chunks: the state entering each
                                    chunk, u = U - W S, S_next; the final state. The
                                    only sequential part (u depends on S).
@@ -33,7 +34,8 @@ Kernels (grid; what each program does):
                                    dS_prev = e^{G_C} dS + (e^G Q)^T do - W^T du;
                                    dh0 at each segment's start.
   _grads_kernel   (NC, H)          dq, dk, dv, dbeta and dg of one chunk from S, dS,
-                                   u, du and T (below).
+                                   u, du and T (below), in two passes: the [C, C] terms
+                                   over Dv blocks, then dq and dk per Dk tile.
 
 Gradient bookkeeping of one chunk (dP = tril(do u^T), dW = -du S^T):
   dq   = e^G (do S^T) + (dP o D) K
