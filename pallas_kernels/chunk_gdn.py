@@ -95,22 +95,28 @@ class BlockSizes:
 
   chunk: C, tokens per chunk. block_v: Dv columns per program of the output and local
   du kernels. walk_block_v: Dv columns per program of the two walks (None: block_v; Dk
-  is always whole there: u = U - W S contracts over it); smaller tiles, more programs
-  and shorter steps on the op's sequential part. num_warps,
-  num_stages: Triton launch settings. split_products: for bf16 storage, the products
-  with T and the [C, C] gradient matrices use hi + lo split operands (~16 bits, three
-  bf16 products each) rather than operands rounded to bf16 (one product). Off by
-  default: on an H200 at L = 32K the split products made the gradient kernel 1.9x
-  slower for a largest gradient error against float32 of 3.8e-3 instead of 4.6e-3
-  (fla's: 4.5e-3). grads_warps: num_warps of the gradient kernel alone, which holds the
-  most live tiles (None: num_warps). grads_block_v: the Dv columns the gradient kernel
-  reads at a time (None: block_v). grads_block_k: the Dk columns of dq and dk its
-  second pass forms at a time (None: all of Dk). prepare_block: the diagonal blocks of
-  T inverted by substitution in the prepare kernel (clipped to the chunk; the chunk
-  itself: one whole-chunk substitution). prefetch: the walks load the next chunk's inputs one
-  step ahead, in registers (`chunk_gla._walk`), rather than leaving the loads in the
-  step to Triton's pipelining. Off by default: the register copy of the [C, Dk] tiles
-  made the walks 2-5x slower on an H200.
+  is always whole there: u = U - W S contracts over it); smaller tiles give more
+  programs and shorter steps on the op's sequential part. num_warps, num_stages: Triton
+  launch settings (num_stages = 3 took the walks at L = 32K on an H100 from 0.52 / 0.91
+  to 0.36 / 0.75 ms, dense fwd + bwd 4.97 -> 4.67 ms, but SSE-GDN at 8K, N = 4 took
+  2.80 ms in that run against 2.49 in an earlier one: kept at 2 until the two are
+  timed side by side). split_products: for bf16 storage, the products with T and the
+  [C, C] gradient matrices use hi + lo split operands (~16 bits, three bf16 products
+  each) rather than operands rounded to bf16 (one product). Off by default: on an H200
+  at L = 32K the split products made the gradient kernel 1.9x slower for a largest
+  gradient error against float32 of 3.8e-3 instead of 4.6e-3 (fla's: 4.5e-3).
+  grads_warps: num_warps of the gradient kernel alone (None: num_warps). grads_block_v:
+  the Dv columns the gradient kernel reads at a time (None: block_v). grads_block_k: the
+  Dk columns of dq and dk its second pass forms at a time (None: all of Dk).
+  prepare_block: the diagonal blocks of T inverted by substitution in the prepare
+  kernel (clipped to the chunk; the chunk itself: one whole-chunk substitution).
+  prefetch: the walks load the next chunk's inputs one step ahead, in registers
+  (`chunk_gla._walk`), rather than leaving the loads in the step to Triton's
+  pipelining. Off by default: the register copy of the [C, Dk] tiles made the walks
+  2-5x slower on an H200. With num_warps = 2 the earlier one-pass gradient kernel
+  gave wrong dq, dk, dg and dbeta at C = 64, D = 128 on an H200 (relative error 0.38;
+  the tests pass with 2 warps at their small shapes); not measured with this kernel:
+  keep 4 or more there.
   """
 
   chunk: int = 64
@@ -123,7 +129,11 @@ class BlockSizes:
   # 0.64 -> 0.51 ms, reverse 1.13 -> 0.92 ms.
   walk_block_v: int | None = 32
   grads_block_v: int | None = None
-  grads_block_k: int | None = None
+  # H100, L = 32K: the gradient kernel 2.74 ms with all of Dk at once, 2.73 with tiles
+  # of 64, 2.24 with tiles of 32 (same errors).
+  grads_block_k: int | None = 32
+  # H100, L = 32K: prepare 0.77 ms with one whole-chunk substitution, 0.48 ms with
+  # [16, 16] blocks.
   prepare_block: int = 16
   prefetch: bool = False
 
