@@ -110,6 +110,10 @@ class BlockSizes:
   Dk columns of dq and dk its second pass forms at a time (None: all of Dk).
   prepare_block: the diagonal blocks of T inverted by substitution in the prepare
   kernel (clipped to the chunk; the chunk itself: one whole-chunk substitution).
+  split_grads: the gradient kernel's two passes as two kernels, the second with one
+  program per (chunk, head, Dk tile) (fla splits its backward so): more, smaller
+  programs for the heaviest part, for one more [C, C] round trip through memory (dP o D
+  and M, bf16 unless split_products). Not yet timed on a GPU: off by default.
   prefetch: the walks load the next chunk's inputs one step ahead, in registers
   (`chunk_gla._walk`), rather than leaving the loads in the step to Triton's
   pipelining. Off by default: the register copy of the [C, Dk] tiles made the walks
@@ -135,6 +139,7 @@ class BlockSizes:
   # H100, L = 32K: prepare 0.77 ms with one whole-chunk substitution, 0.48 ms with
   # [16, 16] blocks.
   prepare_block: int = 16
+  split_grads: bool = False
   prefetch: bool = False
 
   def __post_init__(self):
@@ -401,38 +406,33 @@ def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, p
                             ).astype(last_ref.dtype)
 
 
-def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
-                  dh_ref, do_ref, du_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
-                  dtype, split, block_k, block_v):
-  """dq, dk [C, Dk], dv [C, Dv], dbeta and dg [C] of one (chunk, head), from the state
-  entering it (h), the gradient of the state after it (dh), u, du and T (module
-  docstring); zero in a chunk of no segment.
+def _gates(gc_ref, beta_ref, dtype):
+  """(G, beta, e^G, e^{G_C - G}, G_C) of one chunk [C] in the accumulation dtype."""
+  acc = _acc(dtype)
+  gc, beta = gc_ref[...].astype(acc), beta_ref[...].astype(acc)
+  gl = _last(gc)
+  return gc, beta, jnp.exp(gc), jnp.exp(gl - gc), gl
 
-  Two passes, so that no [C, Dk] accumulator is live beside the [C, C] ones (at
-  C = Dk = Dv = 128 the one-pass form needs ~256 fp32 registers per thread at 4 warps):
-  1. over Dv blocks of `block_v`: do u^T, dv, and all of dT through
-     dT = dW Kb^T + du (diag(beta) V)^T = du (diag(beta) V - Kb S)^T (dW = -du S^T,
-     Kb = diag(beta e^G) K), which needs no dW; then dA and M.
-  2. over Dk tiles of `block_k`, each from its own pass over Dv blocks: the
-     [C, block_k] columns of do S^T, u dS^T and dW, and from them the tile's dq and dk.
+
+def _grads_square_terms(q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
+                        do_ref, du_ref, dv_ref, valid, *, dtype, split, block_v):
+  """The gradient kernels' first pass (module docstring), over Dv blocks of `block_v`:
+  do u^T, dv (written), and all of dT through
+  dT = dW Kb^T + du (diag(beta) V)^T = du (diag(beta) V - Kb S)^T (dW = -du S^T,
+  Kb = diag(beta e^G) K), which needs no dW; then dA. Returns dP o D and
+  M = dA o D o beta [C, C], and the [C] parts of dbeta and of dG they give.
   """
   acc = _acc(dtype)
   xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
-  valid = valid_ref[pl.program_id(0)] > 0
-  gc, beta = gc_ref[...].astype(acc), beta_ref[...].astype(acc)
-  c, dk_dim = k_ref.shape
-  gl = _last(gc)
-  e_g, e_end = jnp.exp(gc), jnp.exp(gl - gc)
-  v_blocks = [pl.ds(j * block_v, block_v) for j in range(dv_ref.shape[1] // block_v)]
-  k_tiles = [pl.ds(i * block_k, block_k) for i in range(dk_dim // block_k)]
-
-  # Pass 1: do u^T, dT, dv and (T^T dU)_t . v_t.
+  gc, beta, e_g, _, _ = _gates(gc_ref, beta_ref, dtype)
+  c = gc.shape[0]
   inv = t_ref[...].astype(acc)
   kb = k_ref[...].astype(acc) * _col(beta * e_g)                          # Kb
   do_u = jnp.zeros((c, c), acc)
   d_t = jnp.zeros((c, c), acc)
   dbeta = jnp.zeros((c,), acc)
-  for block in v_blocks:
+  for j in range(dv_ref.shape[1] // block_v):
+    block = pl.ds(j * block_v, block_v)
     du = du_ref[:, block].astype(acc)
     vf = v_ref[:, block].astype(acc)
     do_u = do_u + _dot(do_ref[:, block], u_ref[:, block], _NT, dtype)
@@ -440,8 +440,7 @@ def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref
     dvb = xdot(inv, du, _TN)                                            # T^T dU
     dv_ref[:, block] = jnp.where(valid, _col(beta) * dvb, 0.0).astype(dv_ref.dtype)
     dbeta = dbeta + jnp.sum(dvb * vf, axis=1)
-
-  # The [C, C] terms: dP o D from o = e^G (Q S) + P u, dA and M from the WY terms.
+  # o = e^G (Q S) + P u gives dP; the WY terms give dA and M.
   dp = _decay(gc, lambda t, s: s <= t) * do_u                           # dP o D
   dpp = dp * _dot(q_ref[...], k_ref[...], _NT, dtype)                   # dP o P
   rows, cols = _iotas(c)
@@ -453,40 +452,111 @@ def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref
   dbeta = dbeta + jnp.sum(d_a * a_decay * kk, axis=1)
   dgc = (jnp.sum(dpp, axis=1) - jnp.sum(dpp, axis=0)
          + jnp.sum(daa, axis=1) - jnp.sum(daa, axis=0))
+  return dp, m, dbeta, dgc
 
-  # Pass 2, per Dk tile: do S^T, u dS^T, dW = -du S^T, then dq and dk.
+
+def _grads_tile_terms(qf, kf, h_of, dh_of, gates, inv, dp, m, u_ref, do_ref, du_ref, *,
+                      dtype, split, block_v):
+  """The second pass for one Dk tile: qf, kf [C, BK] (accumulation dtype);
+  h_of(block), dh_of(block): the tile's rows of S and dS in a Dv block [BK, BV].
+  Returns the tile's dq and dk [C, BK] and its parts of dbeta and dG [C], the end
+  share (sum_s k_s . dk_end_s + e^{G_C} sum(S o dS) over the tile) added at t = C - 1.
+  """
+  acc = _acc(dtype)
+  xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
+  _, beta, e_g, e_end, gl = gates
+  c, bk = kf.shape
+  do_h = jnp.zeros((c, bk), acc)
+  u_dh = jnp.zeros((c, bk), acc)
+  dw = jnp.zeros((c, bk), acc)
   end_share = jnp.zeros((), acc)
-  for tile in k_tiles:
-    do_h = jnp.zeros((c, block_k), acc)
-    u_dh = jnp.zeros((c, block_k), acc)
-    dw = jnp.zeros((c, block_k), acc)
-    for block in v_blocks:
-      do, u = do_ref[:, block], u_ref[:, block]
-      h, dh = h_ref[tile, block], dh_ref[tile, block]
-      do_h = do_h + _dot(do, h, _NT, dtype)
-      u_dh = u_dh + _dot(u, dh, _NT, dtype)
-      dw = dw - _dot(du_ref[:, block], h, _NT, dtype)
-      end_share = end_share + jnp.exp(gl) * jnp.sum(h.astype(acc) * dh.astype(acc))
-    qf, kf = q_ref[:, tile].astype(acc), k_ref[:, tile].astype(acc)
-    dq_inter = _col(e_g) * do_h
-    dk_end = _col(e_end) * u_dh
-    dkb = xdot(t_ref[...].astype(acc), dw, _TN)                          # T^T dW
-    kb_dot = jnp.sum(dkb * kf, axis=1)                                  # (T^T dW)_t . k_t
-    dq = dq_inter + xdot(dp, kf, _NN)
-    dk = (dk_end + xdot(dp, qf, _TN) + _col(beta * e_g) * dkb + xdot(m, kf, _NN)
-          + xdot(m, kf, _TN))
+  for j in range(u_ref.shape[1] // block_v):
+    block = pl.ds(j * block_v, block_v)
+    h, dh = h_of(block), dh_of(block)
+    do_h = do_h + _dot(do_ref[:, block], h, _NT, dtype)
+    u_dh = u_dh + _dot(u_ref[:, block], dh, _NT, dtype)
+    dw = dw - _dot(du_ref[:, block], h, _NT, dtype)
+    end_share = end_share + jnp.exp(gl) * jnp.sum(h.astype(acc) * dh.astype(acc))
+  dq_inter = _col(e_g) * do_h
+  dk_end = _col(e_end) * u_dh
+  dkb = xdot(inv, dw, _TN)                                              # T^T dW
+  kb_dot = jnp.sum(dkb * kf, axis=1)                                    # (T^T dW)_t . k_t
+  dq = dq_inter + xdot(dp, kf, _NN)
+  dk = (dk_end + xdot(dp, qf, _TN) + _col(beta * e_g) * dkb + xdot(m, kf, _NN)
+        + xdot(m, kf, _TN))
+  end_share = end_share + jnp.sum(kf * dk_end)
+  pos = lax.broadcasted_iota(jnp.int32, (c,), 0)
+  dgc = (jnp.sum(qf * dq_inter, axis=1) - jnp.sum(kf * dk_end, axis=1)
+         + beta * e_g * kb_dot + jnp.where(pos == c - 1, end_share, 0.0))
+  return dq, dk, e_g * kb_dot, dgc
+
+
+def _suffix_sums(x, axis=0):
+  """sum_{t >= u} x_t along `axis` (dg from dG)."""
+  return jnp.sum(x, axis=axis, keepdims=True) - jnp.cumsum(x, axis=axis) + x
+
+
+def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
+                  dh_ref, do_ref, du_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
+                  dtype, split, block_k, block_v):
+  """dq, dk [C, Dk], dv [C, Dv], dbeta and dg [C] of one (chunk, head), from the state
+  entering it (h), the gradient of the state after it (dh), u, du and T (module
+  docstring); zero in a chunk of no segment.
+
+  Two passes, so that no [C, Dk] accumulator is live beside the [C, C] ones (at
+  C = 64, Dk = Dv = 128 the one-pass form needs ~256 fp32 registers per thread at 4
+  warps): the [C, C] terms over Dv blocks (`_grads_square_terms`), then per Dk tile of
+  `block_k`, each from its own pass over Dv blocks, the tile's dq and dk
+  (`_grads_tile_terms`).
+  """
+  acc = _acc(dtype)
+  kw = dict(dtype=dtype, split=split, block_v=block_v)
+  valid = valid_ref[pl.program_id(0)] > 0
+  dp, m, dbeta, dgc = _grads_square_terms(q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref,
+                                          u_ref, h_ref, do_ref, du_ref, dv_ref, valid, **kw)
+  gates = _gates(gc_ref, beta_ref, dtype)
+  for i in range(k_ref.shape[1] // block_k):
+    tile = pl.ds(i * block_k, block_k)
+    dq, dk, dbeta_i, dgc_i = _grads_tile_terms(
+        q_ref[:, tile].astype(acc), k_ref[:, tile].astype(acc),
+        lambda block: h_ref[tile, block], lambda block: dh_ref[tile, block], gates,
+        t_ref[...].astype(acc), dp, m, u_ref, do_ref, du_ref, **kw)
     dq_ref[:, tile] = jnp.where(valid, dq, 0.0).astype(dq_ref.dtype)
     dk_ref[:, tile] = jnp.where(valid, dk, 0.0).astype(dk_ref.dtype)
-    dbeta = dbeta + e_g * kb_dot
-    dgc = (dgc + jnp.sum(qf * dq_inter, axis=1) - jnp.sum(kf * dk_end, axis=1)
-           + beta * e_g * kb_dot)
-    end_share = end_share + jnp.sum(kf * dk_end)
-
-  pos = lax.broadcasted_iota(jnp.int32, (c,), 0)
-  dgc = dgc + jnp.where(pos == c - 1, end_share, 0.0)
-  dg = jnp.sum(dgc) - jnp.cumsum(dgc, axis=0) + dgc                     # suffix sums
+    dbeta, dgc = dbeta + dbeta_i, dgc + dgc_i
   dbeta_ref[...] = jnp.where(valid, dbeta, 0.0).astype(dbeta_ref.dtype)
-  dg_ref[...] = jnp.where(valid, dg, 0.0).astype(dg_ref.dtype)
+  dg_ref[...] = jnp.where(valid, _suffix_sums(dgc), 0.0).astype(dg_ref.dtype)
+
+
+def _grads_square_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref,
+                         h_ref, do_ref, du_ref, dv_ref, dp_ref, m_ref, dbeta_ref, dgc_ref,
+                         *, dtype, split, block_v):
+  """split_grads, first kernel, one (chunk, head): dv [C, Dv], dP o D and M [C, C],
+  and the [C] parts of dbeta and dG from them (`_grads_square_terms`); zero in a
+  chunk of no segment."""
+  valid = valid_ref[pl.program_id(0)] > 0
+  dp, m, dbeta, dgc = _grads_square_terms(
+      q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref, do_ref, du_ref, dv_ref,
+      valid, dtype=dtype, split=split, block_v=block_v)
+  for ref, x in ((dp_ref, dp), (m_ref, m), (dbeta_ref, dbeta), (dgc_ref, dgc)):
+    ref[...] = jnp.where(valid, x, 0.0).astype(ref.dtype)
+
+
+def _grads_tile_kernel(valid_ref, q_ref, k_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
+                       dh_ref, do_ref, du_ref, dp_ref, m_ref, dq_ref, dk_ref, dbeta_ref,
+                       dgc_ref, *, dtype, split, block_v):
+  """split_grads, second kernel, one (chunk, head, Dk tile): the tile's dq and dk
+  [C, BK] and its parts of dbeta and dG [C] (`_grads_tile_terms`), from the first
+  kernel's dP o D and M; zero in a chunk of no segment. q, k [C, BK]; h, dh [BK, Dv]."""
+  acc = _acc(dtype)
+  valid = valid_ref[pl.program_id(0)] > 0
+  dq, dk, dbeta, dgc = _grads_tile_terms(
+      q_ref[...].astype(acc), k_ref[...].astype(acc), lambda block: h_ref[:, block],
+      lambda block: dh_ref[:, block], _gates(gc_ref, beta_ref, dtype),
+      t_ref[...].astype(acc), dp_ref[...].astype(acc), m_ref[...].astype(acc), u_ref,
+      do_ref, du_ref, dtype=dtype, split=split, block_v=block_v)
+  for ref, x in ((dq_ref, dq), (dk_ref, dk), (dbeta_ref, dbeta), (dgc_ref, dgc)):
+    ref[...] = jnp.where(valid, x, 0.0).astype(ref.dtype)
 
 
 # ----------------------------------------------------------------------------------
@@ -622,28 +692,55 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
 
 def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret):
   """(dq, dk, dv) in the storage dtype, (dbeta, dg) in the accumulation dtype (see
-  _grads_kernel). The op returns gradients in its inputs' dtype: written so here, they
-  need no fp32 copy and conversion pass."""
+  _grads_kernel; with bs.split_grads, _grads_square_kernel then _grads_tile_kernel).
+  The op returns gradients in its inputs' dtype: written so here, they need no fp32
+  copy and conversion pass."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   acc = _acc(q.dtype)
-  spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh: (n, 0, hh, 0))
-  gate = pl.BlockSpec((None, c, None), lambda n, hh: (n, 0, hh))
+  bk, bv = bs.grads_tile_k(dk, dv), bs.grads_tile_v(dk, dv)
+  kw = dict(dtype=q.dtype, split=bs.split_products, block_v=bv)
+  grads_bs = dataclasses.replace(bs, num_warps=bs.grads_warps or bs.num_warps)
+  spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, hh, *_: (n, 0, hh, 0))
+  gate = pl.BlockSpec((None, c, None), lambda n, hh, *_: (n, 0, hh))
+  square = pl.BlockSpec((None, None, c, c), lambda n, hh, *_: (n, hh, 0, 0))
   state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
   shape = lambda x, dtype=acc: jax.ShapeDtypeStruct(x.shape, dtype)
-  return _call(
-      functools.partial(_grads_kernel, dtype=q.dtype, split=bs.split_products,
-                        block_k=bs.grads_tile_k(dk, dv), block_v=bs.grads_tile_v(dk, dv)),
-      "gdn_grads",
-      dataclasses.replace(bs, num_warps=bs.grads_warps or bs.num_warps), interpret,
-      grid=(nc, h),
-      in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate,
-                pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
-                spec(dv), state, state, spec(dv), spec(dv)],
-      out_specs=[spec(dk), spec(dk), spec(dv), gate, gate],
-      out_shape=[shape(q, q.dtype), shape(k, k.dtype), shape(v, v.dtype), shape(gc),
-                 shape(gc)],
-  )(valid, q, k, v, gc, beta, inv, u, h_start, dh, do, du)
+  if not bs.split_grads:
+    return _call(
+        functools.partial(_grads_kernel, block_k=bk, **kw), "gdn_grads", grads_bs,
+        interpret, grid=(nc, h),
+        in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate, square,
+                  spec(dv), state, state, spec(dv), spec(dv)],
+        out_specs=[spec(dk), spec(dk), spec(dv), gate, gate],
+        out_shape=[shape(q, q.dtype), shape(k, k.dtype), shape(v, v.dtype), shape(gc),
+                   shape(gc)],
+    )(valid, q, k, v, gc, beta, inv, u, h_start, dh, do, du)
+  # dP o D and M are only read as bf16 products unless split_products: stored so.
+  square_dtype = acc if bs.split_products else q.dtype
+  square_shape = jax.ShapeDtypeStruct((nc, h, c, c), square_dtype)
+  dv_, dp, m, dbeta, dgc = _call(
+      functools.partial(_grads_square_kernel, **kw), "gdn_grads_square", grads_bs,
+      interpret, grid=(nc, h),
+      in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate, square,
+                spec(dv), state, spec(dv), spec(dv)],
+      out_specs=[spec(dv), square, square, gate, gate],
+      out_shape=[shape(v, v.dtype), square_shape, square_shape, shape(gc), shape(gc)],
+  )(valid, q, k, v, gc, beta, inv, u, h_start, do, du)
+  keys = pl.BlockSpec((None, c, None, bk), lambda n, hh, i: (n, 0, hh, i))
+  rows = pl.BlockSpec((None, None, bk, dv), lambda n, hh, i: (n, hh, i, 0))
+  part = pl.BlockSpec((None, None, c, None), lambda n, hh, i: (i, n, 0, hh))
+  parts = jax.ShapeDtypeStruct((dk // bk,) + gc.shape, acc)
+  dq, dk_, dbeta_k, dgc_k = _call(
+      functools.partial(_grads_tile_kernel, **kw), "gdn_grads_tiles", grads_bs, interpret,
+      grid=(nc, h, dk // bk),
+      in_specs=[gla._whole(nc), keys, keys, gate, gate, square, spec(dv), rows, rows,
+                spec(dv), spec(dv), square, square],
+      out_specs=[keys, keys, part, part],
+      out_shape=[shape(q, q.dtype), shape(k, k.dtype), parts, parts],
+  )(valid, q, k, gc, beta, inv, u, h_start, dh, do, du, dp, m)
+  dgc = dgc + jnp.sum(dgc_k, axis=0)
+  return dq, dk_, dv_, dbeta + jnp.sum(dbeta_k, axis=0), _suffix_sums(dgc, axis=1)
 
 
 # ----------------------------------------------------------------------------------

@@ -120,6 +120,10 @@ class TestPallasGdnGPU:
       (2, 21, None, 1.0, False, 2 * D, 2 * D,       # bf16, split products, output and
        dict(block_v=D, split_products=True, grads_warps=2, grads_block_k=D,  # local du
             prefetch=True)),                                                 # in 2 tiles
+      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D, 2 * D,  # the gradients as two kernels,
+       dict(split_grads=True, grads_block_k=D, grads_block_v=D)),  # two Dk tiles
+      (2, 21, None, 1.0, False, 2 * D, D,           # the same in bf16 ([C, C] terms
+       dict(split_grads=True, grads_block_k=D)),    # kept in bf16)
   ])
   def test_gdn_matches_scan(self, b, t, cu, beta_max, exact, dk, dv, blocks):
     s = b if cu is None else len(cu) - 1
@@ -255,15 +259,18 @@ def _cuda_triton_calls(fn, *args):
   return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
 
 
-def test_kernels_lower_for_cuda():
+@pytest.mark.parametrize("split_grads", [False, True])
+def test_kernels_lower_for_cuda(split_grads):
   """The compiled (non-interpret) kernels, forward and backward, lower for CUDA at the
   benchmark's head dim (catches what Triton rejects but interpret mode accepts):
-  prepare, states, outputs, then the local du, the reverse walk and the gradient kernel."""
+  prepare, states, outputs, then the local du, the reverse walk and the gradient kernel
+  (two with split_grads)."""
   b, t, h, d = 1, 128, 2, 128
   x = random_gdn(jax.random.PRNGKey(0), b, t, h, d, d, jnp.bfloat16)
   w, idx = random_routing(jax.random.PRNGKey(1), b, t, 4, 1)
   cu = jnp.asarray((0, 64, 128), jnp.int32)
-  plan = lambda a: ops.Plan(ops.Algorithm(a), ops.PallasCore(None, False))
+  bs = kernels.BlockSizes(split_grads=split_grads)
+  plan = lambda a: ops.Plan(ops.Algorithm(a), ops.PallasCore(bs, False))
 
   def loss(x, w):  # pallas_chunk runs the same kernels, on other grids
     o, _ = ops.sse_gdn(*x, w, idx, num_partitions=4, cu_seqlens=cu, impl=plan("varlen"),
@@ -271,7 +278,7 @@ def test_kernels_lower_for_cuda():
     return jnp.sum(o.astype(jnp.float32))
 
   calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
-  assert calls == 6, f"expected 6 Triton kernel calls, found {calls}"
+  assert calls == 6 + split_grads, f"expected {6 + split_grads} Triton calls, found {calls}"
 
 
 def test_profile_gdn_variants_measures_time_and_error():
