@@ -34,8 +34,12 @@ XLA chunk form in float32 on the same bf16 inputs (`gdn_variants`):
     python -m experiments.profile_kernels --nokernels --gdn_variants=defaults \
         --gdn_variants=split_products=true --gdn_variants=grads_warps=8
 
+Beside each kernel's time (the GLA kernels timed alone, the GDN kernels of the trace) it
+prints its achieved bandwidth: the bytes the kernel must move if it reads each operand
+and writes each result once (`kernel_io`, from its call's signature) over its time.
+
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
-times mean nothing. Writes a JSON list of rows to `--out` when given.
+times mean nothing (and no bandwidth is printed). Writes a JSON list of rows to `--out` when given.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
+from experiments import kernel_io
 from experiments import op_setting
 from experiments import traces
 from pallas_kernels import chunk_gla as kernels
@@ -106,17 +111,33 @@ def make_inputs(length, heads, dim, chunk):
 
 
 def per_kernel(x, bs, interpret, reps):
-  """ms of each kernel alone; arrays go in as arguments (not as baked-in constants)."""
+  """{kernel: ms} of each kernel alone (`kernel_calls`)."""
+  return {name: median_ms(fn, *args, reps=reps)
+          for name, (fn, args) in kernel_calls(x, bs, interpret).items()}
+
+
+def per_kernel_io(x, bs):
+  """{kernel: bytes} each kernel of `kernel_calls` reads and writes, operands and results
+  once (`kernel_io`; the compiled kernels, lowered for CUDA)."""
+  return {name: sum(kernel_io.io_bytes(fn, *args).values())
+          for name, (fn, args) in kernel_calls(x, bs, False, shapes_only=True).items()}
+
+
+def kernel_calls(x, bs, interpret, shapes_only=False):
+  """{kernel: (jitted fn, args)}, one kernel each; arrays go in as arguments (not as
+  baked-in constants). shapes_only: the inputs the later kernels take from the earlier
+  ones are only shapes (`jax.eval_shape`; enough to lower the calls, and nothing runs)."""
   k_ = kernels
   start, count = x["start"], x["count"]
   valid = k_._valid_chunks(start, count, x["q"].shape[0])  # pylint: disable=protected-access
   jit = jax.jit
+  run = jax.eval_shape if shapes_only else (lambda fn, *args: fn(*args))
   # Inputs of the later kernels, from the earlier ones.
-  a, _ = jit(lambda q, k, g: k_._scores(q, k, g, bs, interpret))(x["q"], x["k"], x["g"])  # pylint: disable=protected-access
+  a, _ = run(jit(lambda q, k, g: k_._scores(q, k, g, bs, interpret)), x["q"], x["k"], x["g"])  # pylint: disable=protected-access
   states = jit(lambda k, v, b, h0, s, c: k_._states(k, v, b, h0, s, c, bs, interpret))  # pylint: disable=protected-access
-  h_start, _ = states(x["k"], x["v"], x["b"], x["h0"], start, count)
+  h_start, _ = run(states, x["k"], x["v"], x["b"], x["h0"], start, count)
   dstates = jit(lambda q, do, b, h0, s, c: k_._dstates(q, do, b, h0, s, c, bs, interpret))  # pylint: disable=protected-access
-  dh, _ = dstates(x["q"], x["do"], x["b"], x["h0"], start, count)
+  dh, _ = run(dstates, x["q"], x["do"], x["b"], x["h0"], start, count)
   decay = jnp.exp(x["b"][:, -1])
   local = jit(lambda k, b, v: k_._local(k, b, v, bs, interpret, True))  # pylint: disable=protected-access
   fns = {  # pylint: disable=protected-access
@@ -125,7 +146,7 @@ def per_kernel(x, bs, interpret, reps):
                  (x["k"], x["b"], x["v"], x["h0"], start, count)),
       "local": (local, (x["k"], x["b"], x["v"])),
       "sweep": (jit(lambda d, l, h0, s, c: k_._sweep(d, l, h0, s, c, bs, interpret, False, jnp.float32)),
-                (decay, local(x["k"], x["b"], x["v"]), x["h0"], start, count)),
+                (decay, run(local, x["k"], x["b"], x["v"]), x["h0"], start, count)),
       "outputs": (jit(lambda q, v, b, a, h, ok: k_._outputs(q, v, b, a, h, ok, bs, interpret)),
                   (x["q"], x["v"], x["b"], a, h_start, valid)),
       "dv": (jit(lambda k, b, a, do, dh, ok: k_._dv(k, b, a, do, dh, ok, bs, interpret)),
@@ -138,7 +159,7 @@ def per_kernel(x, bs, interpret, reps):
   fns["dqk_split" if other.split_dqk else "dqk_fused"] = (
       jit(lambda q, k, b, v, do, h, dh, ok: k_._dqkb(q, k, b, v, do, h, dh, ok, other, interpret)),  # pylint: disable=protected-access
       fns["dqk"][1])
-  return {name: median_ms(fn, *args, reps=reps) for name, (fn, args) in fns.items()}
+  return fns
 
 
 def whole_core(x, bs, interpret, reps):
@@ -389,12 +410,15 @@ def gdn_variants(length, heads, dim, chunk, variants, interpret, reps):
     run = lambda: jax.block_until_ready(step(*args))
     times = traces.device_ms_by_op(run, reps, by_kernel=True)
     total = sum(times.values())
+    rates = {} if interpret else kernel_io.bandwidth(kernel_io.io_bytes(
+        grads(ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(bs, False))), *args), times)
     print(f"gdn {variant}: {total:.3f} ms of device time per fwd + bwd; "
-          + ", ".join(f"{k} {v:.3f}" for k, v in list(times.items())[:12])
+          + ", ".join(f"{k} {v:.3f}" + (f" ({rates[k]:.0f} GB/s)" if k in rates else "")
+                      for k, v in list(times.items())[:12])
           + "; error vs float32: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
           flush=True)
     rows.append(dict(gdn_variant=variant, device_ms=total, by_kernel=times,
-                     rel_error=errors))
+                     io_GBps=rates, rel_error=errors))
   return rows
 
 
@@ -410,9 +434,13 @@ def main(argv):
   for i, fields in enumerate(configs):
     bs = kernels.BlockSizes(chunk=FLAGS.chunk, **fields)
     times = per_kernel(x, bs, FLAGS.interpret, FLAGS.reps) if i == 0 else {}
+    rates = ({} if i or FLAGS.interpret
+             else kernel_io.bandwidth(per_kernel_io(x, bs), times))
     times.update(whole_core(x, bs, FLAGS.interpret, FLAGS.reps))
-    row = dict(length=FLAGS.length, block_sizes=fields, ms=times)
-    line = f"{fields or 'defaults'}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())
+    row = dict(length=FLAGS.length, block_sizes=fields, ms=times, io_GBps=rates)
+    line = f"{fields or 'defaults'}: " + ", ".join(
+        f"{k} {v:.3f} ms" + (f" ({rates[k]:.0f} GB/s)" if k in rates else "")
+        for k, v in times.items())
     outputs = core_outputs(x, bs, FLAGS.interpret)
     if reference is None:
       reference = outputs
