@@ -100,7 +100,8 @@ class BlockSizes:
   launch settings (num_stages = 3 took the walks at L = 32K on an H100 from 0.52 / 0.91
   to 0.36 / 0.75 ms, dense fwd + bwd 4.97 -> 4.67 ms, but SSE-GDN at 8K, N = 4 took
   2.80 ms in that run against 2.49 in an earlier one: kept at 2 until the two are
-  timed side by side). split_products: for bf16 storage, the products with T and the
+  timed side by side; walk_stages sets the walks' alone, None: num_stages).
+  split_products: for bf16 storage, the products with T and the
   [C, C] gradient matrices use hi + lo split operands (~16 bits, three bf16 products
   each) rather than operands rounded to bf16 (one product). Off by default: on an H200
   at L = 32K the split products made the gradient kernel 1.9x slower for a largest
@@ -132,6 +133,7 @@ class BlockSizes:
   # H200, L = 32K: the walks with Dv tiles of 32 (64 programs) instead of 64: forward
   # 0.64 -> 0.51 ms, reverse 1.13 -> 0.92 ms.
   walk_block_v: int | None = 32
+  walk_stages: int | None = None
   grads_block_v: int | None = None
   # H100, L = 32K: the gradient kernel 2.74 ms with all of Dk at once, 2.73 with tiles
   # of 64, 2.24 with tiles of 32 (same errors).
@@ -155,8 +157,10 @@ class BlockSizes:
         raise ValueError(f"{name}={warps} must be a power of 2 <= 16")
     if self.prepare_block not in CHUNKS:
       raise ValueError(f"prepare_block={self.prepare_block} must be one of {CHUNKS}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+    for name in ("num_stages", "walk_stages"):
+      stages = getattr(self, name)
+      if not (stages is None and name == "walk_stages") and stages < 1:
+        raise ValueError(f"{name}={stages} must be >= 1")
 
   def tile_v(self, dk: int, dv: int) -> int:
     """block_v clipped to Dv; the chunk and head dims are checked here."""
@@ -164,6 +168,10 @@ class BlockSizes:
     if error:
       raise ValueError(error)
     return min(self.block_v, dv)
+
+  def for_walks(self) -> "BlockSizes":
+    """These block sizes with the walks' launch settings (walk_stages)."""
+    return dataclasses.replace(self, num_stages=self.walk_stages or self.num_stages)
 
   def walk_tile_v(self, dk: int, dv: int) -> int:
     """The walks' Dv tile: walk_block_v (else block_v) clipped to Dv; the chunk and head
@@ -623,7 +631,7 @@ def _states(k, w, uu, gc, h0, start, count, bs, interpret):
   whole = gla._whole(z)
   call = _call(
       functools.partial(_states_kernel, dtype=k.dtype, prefetch=bs.prefetch), "gdn_states",
-      bs, interpret,
+      bs.for_walks(), interpret,
       grid=(dv // bv, h, z), in_specs=[whole, whole, keys, keys, values, gates, state],
       out_specs=[per_chunk, values, state],
       out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), k.dtype),
@@ -680,7 +688,7 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   pdo = _local_du(q, k, gc, do, bs, interpret)
   call = _call(
       functools.partial(_dstates_kernel, dtype=q.dtype, prefetch=bs.prefetch),
-      "gdn_dstates", bs, interpret,
+      "gdn_dstates", bs.for_walks(), interpret,
       grid=(dv // bv, h, z),
       in_specs=[whole, whole, keys, keys, keys, gates, values, values, state],
       out_specs=[per_chunk, values, state],

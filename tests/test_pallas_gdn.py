@@ -115,7 +115,8 @@ class TestPallasGdnGPU:
   @pytest.mark.parametrize("b, t, cu, beta_max, exact, dk, dv, blocks", [
       (1, 40, (0, 7, 7, 40), 2.0, True, D, D, {}),  # ragged, empty seq., T % C != 0
       (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D, 2 * D,  # walks and gradients over two
-       dict(walk_block_v=D, grads_block_v=D, grads_block_k=D, prefetch=True)),  # tiles
+       dict(walk_block_v=D, grads_block_v=D, grads_block_k=D, prefetch=True,  # tiles
+            walk_stages=3)),
       (2, 21, None, 1.0, False, D, D, {}),          # batch rows, T % C != 0, bf16
       (2, 21, None, 1.0, False, 2 * D, 2 * D,       # bf16, split products, output and
        dict(block_v=D, split_products=True, grads_warps=2, grads_block_k=D,  # local du
