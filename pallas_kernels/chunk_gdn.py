@@ -727,7 +727,7 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   # dP o D and M are only read as bf16 products unless split_products: stored so.
   square_dtype = acc if bs.split_products else q.dtype
   square_shape = jax.ShapeDtypeStruct((nc, h, c, c), square_dtype)
-  dv_, dp, m, dbeta, dgc = _call(
+  grad_v, dp, m, dbeta, dgc = _call(
       functools.partial(_grads_square_kernel, **kw), "gdn_grads_square", grads_bs,
       interpret, grid=(nc, h),
       in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate, square,
@@ -739,7 +739,7 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   rows = pl.BlockSpec((None, None, bk, dv), lambda n, hh, i: (n, hh, i, 0))
   part = pl.BlockSpec((None, None, c, None), lambda n, hh, i: (i, n, 0, hh))
   parts = jax.ShapeDtypeStruct((dk // bk,) + gc.shape, acc)
-  dq, dk_, dbeta_k, dgc_k = _call(
+  grad_q, grad_k, dbeta_k, dgc_k = _call(
       functools.partial(_grads_tile_kernel, **kw), "gdn_grads_tiles", grads_bs, interpret,
       grid=(nc, h, dk // bk),
       in_specs=[gla._whole(nc), keys, keys, gate, gate, square, spec(dv), rows, rows,
@@ -748,7 +748,8 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
       out_shape=[shape(q, q.dtype), shape(k, k.dtype), parts, parts],
   )(valid, q, k, gc, beta, inv, u, h_start, dh, do, du, dp, m)
   dgc = dgc + jnp.sum(dgc_k, axis=0)
-  return dq, dk_, dv_, dbeta + jnp.sum(dbeta_k, axis=0), _suffix_sums(dgc, axis=1)
+  return (grad_q, grad_k, grad_v, dbeta + jnp.sum(dbeta_k, axis=0),
+          _suffix_sums(dgc, axis=1))
 
 
 # ----------------------------------------------------------------------------------
