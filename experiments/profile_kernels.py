@@ -35,11 +35,13 @@ XLA chunk form in float32 on the same bf16 inputs (`gdn_variants`):
         --gdn_variants=split_products=true --gdn_variants=grads_warps=8
 
 Beside each kernel's time (the GLA kernels timed alone, the GDN kernels of the trace) it
-prints its achieved bandwidth: the bytes the kernel must move if it reads each operand
-and writes each result once (`kernel_io`, from its call's signature) over its time.
+prints its achieved bandwidth and matmul throughput (`kernel_work`): the bytes the
+kernel must move if it reads each operand and writes each result once, and the FLOPs of
+its matrix products (none for the walks, whose loop length is data-dependent), over
+its time.
 
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
-times mean nothing (and no bandwidth is printed). Writes a JSON list of rows to `--out` when given.
+times mean nothing (and no rates are printed). Writes a JSON list of rows to `--out` when given.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from experiments import kernel_io
+from experiments import kernel_work
 from experiments import op_setting
 from experiments import traces
 from pallas_kernels import chunk_gla as kernels
@@ -116,11 +118,27 @@ def per_kernel(x, bs, interpret, reps):
           for name, (fn, args) in kernel_calls(x, bs, interpret).items()}
 
 
-def per_kernel_io(x, bs):
-  """{kernel: bytes} each kernel of `kernel_calls` reads and writes, operands and results
-  once (`kernel_io`; the compiled kernels, lowered for CUDA)."""
-  return {name: sum(kernel_io.io_bytes(fn, *args).values())
-          for name, (fn, args) in kernel_calls(x, bs, False, shapes_only=True).items()}
+def per_kernel_work(x, bs):
+  """({kernel: bytes}, {kernel: matmul FLOPs or None}) of each kernel of `kernel_calls`
+  (`kernel_work`: operands and results once; the compiled kernels, lowered for CUDA)."""
+  io, flops = {}, {}
+  for name, (fn, args) in kernel_calls(x, bs, False, shapes_only=True).items():
+    io[name] = sum(kernel_work.io_bytes(fn, *args).values())
+    counts = list(kernel_work.matmul_flops(fn, *args).values())
+    flops[name] = None if None in counts else sum(counts)
+  return io, flops
+
+
+def work_rates(io, flops, times) -> dict[str, dict[str, float]]:
+  """{"GBps": {kernel: GB/s}, "TFLOPs": {kernel: TFLOP/s}} of the timed kernels."""
+  return dict(GBps=kernel_work.rate(io, times), TFLOPs=kernel_work.rate(flops, times, 1e12))
+
+
+def with_rates(name, ms, rates) -> str:
+  """'name 1.234 ms (812 GB/s, 41.0 TFLOP/s)', the rates as far as known."""
+  known = [f"{rates[key][name]:{fmt}} {unit}" for key, fmt, unit in (
+      ("GBps", ".0f", "GB/s"), ("TFLOPs", ".1f", "TFLOP/s")) if name in rates.get(key, {})]
+  return f"{name} {ms:.3f} ms" + (f" ({', '.join(known)})" if known else "")
 
 
 def kernel_calls(x, bs, interpret, shapes_only=False):
@@ -410,15 +428,15 @@ def gdn_variants(length, heads, dim, chunk, variants, interpret, reps):
     run = lambda: jax.block_until_ready(step(*args))
     times = traces.device_ms_by_op(run, reps, by_kernel=True)
     total = sum(times.values())
-    rates = {} if interpret else kernel_io.bandwidth(kernel_io.io_bytes(
-        grads(ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(bs, False))), *args), times)
+    compiled = grads(ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(bs, False)))
+    rates = {} if interpret else work_rates(kernel_work.io_bytes(compiled, *args),
+                                            kernel_work.matmul_flops(compiled, *args), times)
     print(f"gdn {variant}: {total:.3f} ms of device time per fwd + bwd; "
-          + ", ".join(f"{k} {v:.3f}" + (f" ({rates[k]:.0f} GB/s)" if k in rates else "")
-                      for k, v in list(times.items())[:12])
+          + ", ".join(with_rates(k, v, rates) for k, v in list(times.items())[:12])
           + "; error vs float32: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
           flush=True)
     rows.append(dict(gdn_variant=variant, device_ms=total, by_kernel=times,
-                     io_GBps=rates, rel_error=errors))
+                     rates=rates, rel_error=errors))
   return rows
 
 
@@ -435,12 +453,11 @@ def main(argv):
     bs = kernels.BlockSizes(chunk=FLAGS.chunk, **fields)
     times = per_kernel(x, bs, FLAGS.interpret, FLAGS.reps) if i == 0 else {}
     rates = ({} if i or FLAGS.interpret
-             else kernel_io.bandwidth(per_kernel_io(x, bs), times))
+             else work_rates(*per_kernel_work(x, bs), times))
     times.update(whole_core(x, bs, FLAGS.interpret, FLAGS.reps))
-    row = dict(length=FLAGS.length, block_sizes=fields, ms=times, io_GBps=rates)
+    row = dict(length=FLAGS.length, block_sizes=fields, ms=times, rates=rates)
     line = f"{fields or 'defaults'}: " + ", ".join(
-        f"{k} {v:.3f} ms" + (f" ({rates[k]:.0f} GB/s)" if k in rates else "")
-        for k, v in times.items())
+        with_rates(k, v, rates) for k, v in times.items())
     outputs = core_outputs(x, bs, FLAGS.interpret)
     if reference is None:
       reference = outputs
