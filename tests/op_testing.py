@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -70,3 +71,13 @@ def random_routing(key, b, t, n, top_k, dtype=jnp.float32, mode="random"):
   probs = jax.nn.softmax(logits, axis=-1)
   weights, indices = jax.lax.top_k(probs, top_k)
   return weights.astype(dtype), indices.astype(jnp.int32)
+
+
+def cuda_triton_calls(fn, *args) -> int:
+  """Number of Triton kernel calls in jit(fn)(*args) lowered for CUDA (on any host); the
+  lowering itself is the check that Triton accepts the compiled (non-interpret)
+  kernels."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")

@@ -22,7 +22,8 @@ from pallas_kernels import chunk_gla as pallas_chunk_gla
 from sse_jax import ops
 from sse_jax.ops import chunked
 from sse_jax.ops import impl as impl_lib
-from tests.op_testing import assert_close, random_qkvg, random_routing, rel_err, x64
+from tests.op_testing import (assert_close, cuda_triton_calls, random_qkvg, random_routing,
+                               rel_err, x64)
 
 BF16_TOL = 5e-3   # bf16 matmul operands, fp32 accumulation (the issue's target)
 
@@ -295,15 +296,6 @@ def test_block_sizes_validate():
     pallas_chunk_gla.BlockSizes().tiles(40, 64)
 
 
-def _cuda_triton_calls(fn, *args):
-  """Number of Triton kernel calls in jit(fn) lowered for CUDA; the lowering itself is
-  the check that Triton accepts them (for the kernels compiled: interpret=False)."""
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
-
-
 def test_kernels_lower_for_cuda():
   """Lower the compiled (non-interpret) kernels, forward and backward, for CUDA.
 
@@ -322,12 +314,12 @@ def test_kernels_lower_for_cuda():
 
   # Per op: forward scores (and gate sums), states, outputs; backward reverse states
   # (state gradients), dv, dq/dk inter and intra (the forward's states are kept).
-  calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
+  calls = cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
   assert calls == 14, f"expected 14 Triton kernel calls, found {calls}"
   # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
   # pallas_call gains a grid dimension, and still lowers, as the same 14 calls.
   stack = lambda a: jnp.stack([a, a])
-  calls = _cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
+  calls = cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
                              *map(stack, x), stack(w))
   assert calls == 14, f"vmapped: expected 14 Triton kernel calls, found {calls}"
 
@@ -349,7 +341,7 @@ def test_kernels_lower_for_cuda():
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
         q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
-    calls = _cuda_triton_calls(jax.grad(core, (0, 1, 2, 3)), q, q, q, -q.astype(jnp.float32))
+    calls = cuda_triton_calls(jax.grad(core, (0, 1, 2, 3)), q, q, q, -q.astype(jnp.float32))
     assert calls == want, f"{fields}: expected {want} Triton kernel calls, found {calls}"
   # Tiles too large for whole-chunk matmuls (C = 128, Dk = Dv = 256, fp32): the scores
   # kernel reads b's rows back from its output after a barrier, and the dq/dk kernels
@@ -359,7 +351,7 @@ def test_kernels_lower_for_cuda():
   core = lambda q, k, v, g: jnp.sum(pallas_chunk_gla.chunk_gla(
       q, k, v, g, jnp.zeros((1, h, 256, 256)), start, jnp.asarray([1]), block_sizes=bs,
       interpret=False)[0])
-  calls = _cuda_triton_calls(jax.grad(core, (0, 1, 2, 3)), big, big, big, -big)
+  calls = cuda_triton_calls(jax.grad(core, (0, 1, 2, 3)), big, big, big, -big)
   assert calls == 6, f"C = 128, D = 256: expected 6 Triton kernel calls, found {calls}"
 
 
@@ -376,7 +368,7 @@ def test_block_sizes_and_interpret_mode_key_the_ops_jit():
                                         jnp.zeros((1, 64, 1), jnp.int32), num_partitions=2,
                                         impl=impl, chunk_size=32)[0], "varlen")):
     # A fresh outer jit each time: only the ops' own jit could reuse a trace.
-    calls = lambda impl: _cuda_triton_calls(lambda *a: op(*a, impl), *x)
+    calls = lambda impl: cuda_triton_calls(lambda *a: op(*a, impl), *x)
     assert calls(pallas(algorithm, interpret=True)) == 0
     assert calls(pallas(algorithm, interpret=False)) == 3  # forward: scores, states, outputs
     # local + sweep instead of one walk

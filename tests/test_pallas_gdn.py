@@ -22,7 +22,7 @@ from pallas_kernels import chunk_gdn as kernels
 from sse_jax import ops
 from sse_jax.ops.gdn import chunk_gdn as xla_chunk_gdn
 from sse_jax.ops import impl as impl_lib
-from tests.op_testing import assert_close, random_routing, x64
+from tests.op_testing import assert_close, cuda_triton_calls, random_routing, x64
 from tests.test_ops_gdn import random_gdn
 
 # bf16 q, k, v (fp32 accumulation; bf16 or ~16-bit products with T and the score
@@ -253,13 +253,6 @@ def test_kernel_reference_is_the_xla_chunk_core():
       assert_close(a, b, 1e-12, name)
 
 
-def _cuda_triton_calls(fn, *args):
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
-
-
 @pytest.mark.parametrize("split_grads", [False, True])
 def test_kernels_lower_for_cuda(split_grads):
   """The compiled (non-interpret) kernels, forward and backward, lower for CUDA at the
@@ -278,7 +271,7 @@ def test_kernels_lower_for_cuda(split_grads):
                        shared=(x.q, x.k, x.g, x.beta))
     return jnp.sum(o.astype(jnp.float32))
 
-  calls = _cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  calls = cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
   assert calls == 6 + split_grads, f"expected {6 + split_grads} Triton calls, found {calls}"
 
 
