@@ -428,9 +428,8 @@ def gdn_variants(length, heads, dim, chunk, variants, interpret, reps):
     run = lambda: jax.block_until_ready(step(*args))
     times = traces.device_ms_by_op(run, reps, by_kernel=True)
     total = sum(times.values())
-    compiled = grads(ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(bs, False)))
-    rates = {} if interpret else work_rates(kernel_work.io_bytes(compiled, *args),
-                                            kernel_work.matmul_flops(compiled, *args), times)
+    rates = {} if interpret else work_rates(kernel_work.io_bytes(step, *args),
+                                            kernel_work.matmul_flops(step, *args), times)
     print(f"gdn {variant}: {total:.3f} ms of device time per fwd + bwd; "
           + ", ".join(with_rates(k, v, rates) for k, v in list(times.items())[:12])
           + "; error vs float32: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),

@@ -256,11 +256,6 @@ def _scores(q, k, gc, dtype):
   return _decay(gc, lambda t, s: s <= t) * _dot(q, k, _NT, dtype)
 
 
-def _strict_a(k, gc, beta, dtype):
-  """A = strict_tril(diag(beta) (K K^T) o D) [C, C]."""
-  return _col(beta) * _decay(gc, lambda t, s: s < t) * _dot(k, k, _NT, dtype)
-
-
 # ----------------------------------------------------------------------------------
 # Forward kernels.
 
@@ -422,17 +417,18 @@ def _gates(gc_ref, beta_ref, dtype):
   return gc, beta, jnp.exp(gc), jnp.exp(gl - gc), gl
 
 
-def _grads_square_terms(q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref,
-                        do_ref, du_ref, dv_ref, valid, *, dtype, split, block_v):
+def _grads_square_terms(q_ref, k_ref, v_ref, gates, t_ref, u_ref, h_ref, do_ref, du_ref,
+                        dv_ref, valid, *, dtype, split, block_v):
   """The gradient kernels' first pass (module docstring), over Dv blocks of `block_v`:
   do u^T, dv (written), and all of dT through
   dT = dW Kb^T + du (diag(beta) V)^T = du (diag(beta) V - Kb S)^T (dW = -du S^T,
   Kb = diag(beta e^G) K), which needs no dW; then dA. Returns dP o D and
-  M = dA o D o beta [C, C], and the [C] parts of dbeta and of dG they give.
+  M = dA o D o beta [C, C], and the [C] parts of dbeta and of dG they give. gates:
+  `_gates`.
   """
   acc = _acc(dtype)
   xdot = lambda a, b, contract: _exact_dot(a, b, contract, dtype, split)
-  gc, beta, e_g, _, _ = _gates(gc_ref, beta_ref, dtype)
+  gc, beta, e_g, _, _ = gates
   c = gc.shape[0]
   inv = t_ref[...].astype(acc)
   kb = k_ref[...].astype(acc) * _col(beta * e_g)                          # Kb
@@ -520,9 +516,10 @@ def _grads_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref
   acc = _acc(dtype)
   kw = dict(dtype=dtype, split=split, block_v=block_v)
   valid = valid_ref[pl.program_id(0)] > 0
-  dp, m, dbeta, dgc = _grads_square_terms(q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref,
-                                          u_ref, h_ref, do_ref, du_ref, dv_ref, valid, **kw)
   gates = _gates(gc_ref, beta_ref, dtype)
+  dp, m, dbeta, dgc = _grads_square_terms(q_ref, k_ref, v_ref, gates, t_ref, u_ref, h_ref,
+                                          do_ref, du_ref, dv_ref, valid, **kw)
+  # T is read again per tile rather than kept live across the tiles (registers).
   for i in range(k_ref.shape[1] // block_k):
     tile = pl.ds(i * block_k, block_k)
     dq, dk, dbeta_i, dgc_i = _grads_tile_terms(
@@ -544,8 +541,8 @@ def _grads_square_kernel(valid_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref
   chunk of no segment."""
   valid = valid_ref[pl.program_id(0)] > 0
   dp, m, dbeta, dgc = _grads_square_terms(
-      q_ref, k_ref, v_ref, gc_ref, beta_ref, t_ref, u_ref, h_ref, do_ref, du_ref, dv_ref,
-      valid, dtype=dtype, split=split, block_v=block_v)
+      q_ref, k_ref, v_ref, _gates(gc_ref, beta_ref, dtype), t_ref, u_ref, h_ref, do_ref,
+      du_ref, dv_ref, valid, dtype=dtype, split=split, block_v=block_v)
   for ref, x in ((dp_ref, dp), (m_ref, m), (dbeta_ref, dbeta), (dgc_ref, dgc)):
     ref[...] = jnp.where(valid, x, 0.0).astype(ref.dtype)
 
