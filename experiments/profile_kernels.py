@@ -41,7 +41,8 @@ its matrix products (none for the walks, whose loop length is data-dependent), o
 its time.
 
 `--interpret` runs the kernels in Pallas interpret mode: a smoke test on CPU, whose
-times mean nothing (and no rates are printed). Writes a JSON list of rows to `--out` when given.
+times mean nothing (and no rates are printed). Writes a JSON list of rows to `--out`
+when given.
 """
 
 from __future__ import annotations
