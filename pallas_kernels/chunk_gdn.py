@@ -97,10 +97,9 @@ class BlockSizes:
   du kernels. walk_block_v: Dv columns per program of the two walks (None: block_v; Dk
   is always whole there: u = U - W S contracts over it); smaller tiles give more
   programs and shorter steps on the op's sequential part. num_warps, num_stages: Triton
-  launch settings (num_stages = 3 took the walks at L = 32K on an H100 from 0.52 / 0.91
-  to 0.36 / 0.75 ms, dense fwd + bwd 4.97 -> 4.67 ms, but SSE-GDN at 8K, N = 4 took
-  2.80 ms in that run against 2.49 in an earlier one: kept at 2 until the two are
-  timed side by side; walk_stages sets the walks' alone, None: num_stages).
+  launch settings. walk_stages: the walks' num_stages (None: num_stages); 3 took them at
+  L = 32K on an H100 from 0.52 / 0.91 to 0.37 / 0.76 ms, and SSE-GDN at 8K, N = 4 (with
+  split_grads) from 2.49 to 2.25 ms.
   split_products: for bf16 storage, the products with T and the
   [C, C] gradient matrices use hi + lo split operands (~16 bits, three bf16 products
   each) rather than operands rounded to bf16 (one product). Off by default: on an H200
@@ -114,7 +113,8 @@ class BlockSizes:
   split_grads: the gradient kernel's two passes as two kernels, the second with one
   program per (chunk, head, Dk tile) (fla splits its backward so): more, smaller
   programs for the heaviest part, for one more [C, C] round trip through memory (dP o D
-  and M, bf16 unless split_products). Not yet timed on a GPU: off by default.
+  and M, bf16 unless split_products). On an H100 at L = 32K: 2.65 ms in one kernel,
+  0.59 + 1.10 ms in two, same errors.
   prefetch: the walks load the next chunk's inputs one step ahead, in registers
   (`chunk_gla._walk`), rather than leaving the loads in the step to Triton's
   pipelining. Off by default: the register copy of the [C, Dk] tiles made the walks
@@ -133,7 +133,7 @@ class BlockSizes:
   # H200, L = 32K: the walks with Dv tiles of 32 (64 programs) instead of 64: forward
   # 0.64 -> 0.51 ms, reverse 1.13 -> 0.92 ms.
   walk_block_v: int | None = 32
-  walk_stages: int | None = None
+  walk_stages: int | None = 3
   grads_block_v: int | None = None
   # H100, L = 32K: the gradient kernel 2.74 ms with all of Dk at once, 2.73 with tiles
   # of 64, 2.24 with tiles of 32 (same errors).
@@ -141,7 +141,7 @@ class BlockSizes:
   # H100, L = 32K: prepare 0.77 ms with one whole-chunk substitution, 0.48 ms with
   # [16, 16] blocks.
   prepare_block: int = 16
-  split_grads: bool = False
+  split_grads: bool = True
   prefetch: bool = False
 
   def __post_init__(self):

@@ -15,7 +15,7 @@ from sse_jax import ops
 from tests.test_ops_gdn import random_gdn
 
 GDN_KERNELS = {"gdn_prepare", "gdn_states", "gdn_outputs", "gdn_local_du", "gdn_dstates",
-               "gdn_grads"}
+               "gdn_grads_square", "gdn_grads_tiles"}  # split_grads, the default
 
 
 def test_tensor_and_signature_bytes():
@@ -51,7 +51,7 @@ def test_gdn_kernels_bytes_and_flops_by_hand():
   assert flops["gdn_outputs"] == nc * h * (2 * c * d * d + 2 * 2 * c * c * d)
   assert flops["gdn_local_du"] == nc * h * 2 * 2 * c * c * d
   assert flops["gdn_states"] is None and flops["gdn_dstates"] is None
-  assert flops["gdn_grads"] > flops["gdn_outputs"]
+  assert flops["gdn_grads_square"] + flops["gdn_grads_tiles"] > flops["gdn_outputs"]
 
 
 def test_rate_matches_names_and_skips_unknown_work():

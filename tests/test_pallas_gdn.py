@@ -115,14 +115,14 @@ class TestPallasGdnGPU:
   @pytest.mark.parametrize("b, t, cu, beta_max, exact, dk, dv, blocks", [
       (1, 40, (0, 7, 7, 40), 2.0, True, D, D, {}),  # ragged, empty seq., T % C != 0
       (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D, 2 * D,  # walks and gradients over two
-       dict(walk_block_v=D, grads_block_v=D, grads_block_k=D, prefetch=True,  # tiles
-            walk_stages=3)),
+       dict(walk_block_v=D, grads_block_v=D, grads_block_k=D, prefetch=True,  # tiles,
+            walk_stages=2, split_grads=False)),  # the gradients as one kernel
       (2, 21, None, 1.0, False, D, D, {}),          # batch rows, T % C != 0, bf16
       (2, 21, None, 1.0, False, 2 * D, 2 * D,       # bf16, split products, output and
        dict(block_v=D, split_products=True, grads_warps=2, grads_block_k=D,  # local du
             prefetch=True)),                                                 # in 2 tiles
-      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D, 2 * D,  # the gradients as two kernels,
-       dict(split_grads=True, grads_block_k=D, grads_block_v=D)),  # two Dk tiles
+      (1, 40, (0, 7, 7, 40), 2.0, True, 2 * D, 2 * D,  # the gradients as two kernels
+       dict(grads_block_k=D, grads_block_v=D)),     # (the default), two Dk tiles
       (2, 21, None, 1.0, False, 2 * D, D,           # the same in bf16 ([C, C] terms
        dict(split_grads=True, grads_block_k=D)),    # kept in bf16)
   ])
