@@ -16,14 +16,20 @@ instruction, so a matmul fused into an elementwise epilogue goes to the epilogue
 file: read the per-op list in the JSON for such cases.
 
 Writes <out>/profile_step.json (per point: step ms by wall clock, traced device ms, and
-every op with its ms, file, line and pass), profile_step.md (ms per file and pass, per
-point, largest first) and profile_step.png (one stacked bar per point).
+every op with its ms, file, line and pass), profile_step.md (ms per part of the step --
+the op's kernels, the packing around them, projections, router, low-rank maps, norms,
+short conv, MLP, loss, optimizer: `PARTS` -- then per file, and per pass, per point,
+largest first) and profile_step.png (one stacked bar of parts per point);
+`--from_json` writes the last two again from a saved JSON. XLA's command buffers are
+turned off (they would fold a step's kernels into one traced op with no source), so
+the wall-clock step time can be a little longer than in training.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
 import shlex
 import statistics
@@ -50,6 +56,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("reps", 5, "Traced steps (device time is their mean).")
   flags.DEFINE_integer("steps", 5, "Wall-clock timed steps before tracing (median).")
   flags.DEFINE_integer("top", 25, "Files listed per point in the markdown table.")
+  flags.DEFINE_string("from_json", "", "Only write profile_step.md / .png into --out from "
+                      "this saved profile_step.json (e.g. of a run stopped by a time limit).")
 
 
 def breakdown(times: dict[str, float], sources: dict[str, traces.Source]) -> list[dict]:
@@ -62,6 +70,39 @@ def breakdown(times: dict[str, float], sources: dict[str, traces.Source]) -> lis
                      line=src.line if src else 0,
                      phase=src.phase if src else "unknown"))
   return rows
+
+
+# The parts of a step the time is reported in, by the file that emitted each op (first
+# matching prefix wins; a fusion counts for the file of its root instruction).
+PARTS = (
+    ("pallas_kernels/", "op: Pallas kernels"),
+    ("sse_jax/ops/", "op: packing, casts and checks around the kernels"),
+    ("sse_jax/layers/router.py", "router, top-k and load balance"),
+    ("sse_jax/layers/lowrank.py", "LoRA and decay gates (low-rank maps)"),
+    ("sse_jax/layers/delta.py", "LoRA and decay gates (low-rank maps)"),
+    ("sse_jax/layers/features.py", "feature maps (key softmax, L2 norm)"),
+    ("sse_jax/layers/short_conv.py", "short conv"),
+    ("sse_jax/layers/norm.py", "norms"),
+    ("sse_jax/layers/mlp.py", "MLP"),
+    ("sse_jax/layers/params.py", "projections (einsums)"),
+    ("sse_jax/layers/linear.py", "projections (einsums)"),
+    ("sse_jax/layers/", "rest of the layers"),
+    ("sse_jax/model/", "embedding, logits and residual stream"),
+    ("sse_jax/train/metrics.py", "loss"),
+    ("sse_jax/train/", "optimizer and clipping"),
+    ("optax/", "optimizer and clipping"),
+)
+
+
+def part_of(file: str) -> str:
+  """The step part (`PARTS`) an op emitted from `file` belongs to; ops with no source
+  (copies, layout changes XLA added) and files no prefix names keep their own name."""
+  return next((part for prefix, part in PARTS if prefix in file), file)
+
+
+def by_part(ops: list[dict]) -> list[tuple[str, dict[str, float]]]:
+  """`by_file` with files grouped into `PARTS`."""
+  return by_file([dict(r, file=part_of(r["file"])) for r in ops])
 
 
 def by_file(ops: list[dict]) -> list[tuple[str, dict[str, float]]]:
@@ -104,6 +145,21 @@ def profile(variant: str, length: int) -> dict:
               device_ms=sum(times.values()), init_s=init_s, compile_s=compile_s, ops=ops)
 
 
+def _table(name: str, rows: list[tuple[str, dict[str, float]]], total: float,
+           top: int | None = None) -> list[str]:
+  """Markdown lines: one row per (name, {phase: ms, "total": ms}), the first `top`
+  (None: all) and the rest summed in one row."""
+  lines = [f"| {name} | forward ms | backward ms | optimizer ms | total ms | share |",
+           "|---|---|---|---|---|---|"]
+  for f, c in rows[:top]:
+    cells = " | ".join(f"{c.get(ph, 0.0):.2f}" for ph in PHASES)
+    lines.append(f"| {f} | {cells} | {c['total']:.2f} | {c['total'] / total:.1%} |")
+  rest = sum(c["total"] for _, c in rows[len(rows) if top is None else top:])
+  if rest:
+    lines.append(f"| {len(rows) - top} more {name}s | | | | {rest:.2f} | {rest / total:.1%} |")
+  return lines
+
+
 def markdown(meta: dict, points: list[dict], top: int) -> str:
   lines = [f"Command: `{meta['command']}` on {meta['device']} (jax {meta['jax']})", ""]
   for p in points:
@@ -114,16 +170,9 @@ def markdown(meta: dict, points: list[dict], top: int) -> str:
     lines += [f"## {p['variant']}, T = {p['length']}, batch {p['batch']}: step "
               f"{p['step_ms']:.1f} ms wall clock, {total:.1f} ms traced device time", "",
               f"Once per run: the state created in {p['init_s']:.1f} s and the step "
-              f"compiled in {p['compile_s']:.1f} s (compiling included in both).", "",
-              "| file | forward ms | backward ms | optimizer ms | total ms | share |",
-              "|---|---|---|---|---|---|"]
-    rows = by_file(p["ops"])
-    for f, c in rows[:top]:
-      cells = " | ".join(f"{c.get(ph, 0.0):.2f}" for ph in PHASES)
-      lines.append(f"| {f} | {cells} | {c['total']:.2f} | {c['total'] / total:.1%} |")
-    rest = sum(c["total"] for _, c in rows[top:])
-    if rest:
-      lines.append(f"| {len(rows) - top} more files | | | | {rest:.2f} | {rest / total:.1%} |")
+              f"compiled in {p['compile_s']:.1f} s (compiling included in both).", ""]
+    lines += _table("part", by_part(p["ops"]), total)
+    lines += ["", "By file:", ""] + _table("file", by_file(p["ops"]), total, top)
     phases = collections.Counter()
     for r in p["ops"]:
       phases[r["phase"]] += r["ms"]
@@ -133,12 +182,12 @@ def markdown(meta: dict, points: list[dict], top: int) -> str:
 
 
 def plot(points: list[dict], path: pathlib.Path, top: int = 8) -> None:
-  """One stacked bar per point: the `top` largest files overall, the rest as "other"."""
+  """One stacked bar per point: the `top` largest parts overall, the rest as "other"."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   points = [p for p in points if "error" not in p]
-  tables = [by_file(p["ops"]) for p in points]
+  tables = [by_part(p["ops"]) for p in points]
   overall = collections.Counter()
   for table in tables:
     for f, c in table:
@@ -159,10 +208,27 @@ def plot(points: list[dict], path: pathlib.Path, top: int = 8) -> None:
   fig.savefig(path, dpi=120)
 
 
+def write_report(meta: dict, points: list[dict], out: pathlib.Path) -> None:
+  """profile_step.md (printed too) and, if any point succeeded, profile_step.png."""
+  text = markdown(meta, points, FLAGS.top)
+  (out / "profile_step.md").write_text(text)
+  print(text)
+  if any("error" not in p for p in points):
+    plot(points, out / "profile_step.png")
+
+
 def main(argv):
   del argv
   out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
+  if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    # Read when the backend starts (below, at jax.devices()): one traced op per kernel.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=").strip()
+  if FLAGS.from_json:
+    saved = json.loads(pathlib.Path(FLAGS.from_json).read_text())
+    write_report(saved["meta"], saved["points"], out)
+    return
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, size=FLAGS.size,
               tokens_per_step=FLAGS.tokens, impl=FLAGS.impl, reps=FLAGS.reps,
               command=shlex.join(["python", "-m", "experiments.profile_step", *sys.argv[1:]]))
@@ -180,11 +246,7 @@ def main(argv):
               flush=True)
       (out / "profile_step.json").write_text(json.dumps(dict(meta=meta, points=points),
                                                         indent=1))
-  text = markdown(meta, points, FLAGS.top)
-  (out / "profile_step.md").write_text(text)
-  print(text)
-  if any("error" not in p for p in points):
-    plot(points, out / "profile_step.png")
+  write_report(meta, points, out)
   if any("error" in p for p in points):
     raise SystemExit(f"{sum('error' in p for p in points)} points failed (see above)")
 

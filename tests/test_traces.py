@@ -148,5 +148,24 @@ def test_profile_step_runs_the_trainers_step_and_accounts_for_its_time(tmp_path)
   assert {f for f, p in phases if p == "optimizer"} == {"sse_jax/train/steps.py"}, phases
   assert any(f.startswith("sse_jax/ops/") for f in files), list(files)
   assert "sse_jax/layers/router.py" in files, list(files)
-  assert (tmp_path / "profile_step.md").read_text().count("| sse_jax/") >= 3
+  parts = dict(profile_step.by_part(point["ops"]))
+  assert abs(sum(c["total"] for c in parts.values()) - point["device_ms"]) < 1e-6
+  assert {"router, top-k and load balance", "optimizer and clipping"} <= set(parts)
+  report = (tmp_path / "profile_step.md").read_text()
+  assert "| router, top-k and load balance |" in report and "By file:" in report
+  redraw = tmp_path / "redraw"
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.profile_step", f"--out={redraw}",
+       f"--from_json={tmp_path / 'profile_step.json'}"],
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert (redraw / "profile_step.md").read_text() == report
+  assert report.count("| sse_jax/") >= 3
   assert (tmp_path / "profile_step.png").stat().st_size > 0
+
+
+def test_parts_of_a_step():
+  assert profile_step.part_of("pallas_kernels/chunk_gla.py") == "op: Pallas kernels"
+  assert profile_step.part_of("optax/_src/alias.py") == "optimizer and clipping"
+  assert profile_step.part_of("sse_jax/train/metrics.py") == "loss"
+  assert profile_step.part_of(profile_step.NO_SOURCE) == profile_step.NO_SOURCE
