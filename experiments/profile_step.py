@@ -56,6 +56,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("reps", 5, "Traced steps (device time is their mean).")
   flags.DEFINE_integer("steps", 5, "Wall-clock timed steps before tracing (median).")
   flags.DEFINE_integer("top", 25, "Files listed per point in the markdown table.")
+  flags.DEFINE_string("hlo_dir", "", "Also write each point's optimised HLO here "
+                      "(<variant>_<T>.hlo.txt), to look up what a fusion computes.")
   flags.DEFINE_string("from_json", "", "Only write profile_step.md / .png into --out from "
                       "this saved profile_step.json (e.g. of a run stopped by a time limit).")
 
@@ -127,6 +129,11 @@ def profile(variant: str, length: int) -> dict:
     t0 = time.perf_counter()
     step = program.train_step.lower(holder[0], data).compile()
     compile_s = time.perf_counter() - t0
+    module = step.as_text()
+    if FLAGS.hlo_dir:
+      hlo = pathlib.Path(FLAGS.hlo_dir)
+      hlo.mkdir(parents=True, exist_ok=True)
+      (hlo / f"{variant}_{length}.hlo.txt").write_text(module)
     print(f"  step compiled in {compile_s:.1f} s", flush=True)
 
     def run():  # the compiled step itself (jit would compile it again); the state is
@@ -140,7 +147,7 @@ def profile(variant: str, length: int) -> dict:
       run()
       wall.append(time.perf_counter() - t0)
     times = traces.device_ms_by_op(run, FLAGS.reps)
-  ops = breakdown(times, traces.hlo_sources(step.as_text()))
+  ops = breakdown(times, traces.hlo_sources(module))
   return dict(variant=variant, length=length, batch=batch, step_ms=statistics.median(wall) * 1e3,
               device_ms=sum(times.values()), init_s=init_s, compile_s=compile_s, ops=ops)
 
