@@ -137,12 +137,13 @@ def _dot_flops(jaxpr) -> float | None:
 
 def rate(work: dict[str, float | None], ms: dict[str, float],
          unit: float = 1e9) -> dict[str, float]:
-  """{kernel: work / s / unit} for the kernels timed (`ms`) whose work is known (a name
-  the trace reports with a suffix, e.g. "gdn_grads.1", matches its pallas_call name):
-  GB/s from io_bytes, TFLOP/s from matmul_flops with unit 1e12."""
+  """{kernel: work / s / unit} for the kernels timed (`ms`) whose work is known and not
+  zero (a kernel with no matrix product has no TFLOP/s; a name the trace reports with a
+  suffix, e.g. "gdn_grads.1", matches its pallas_call name): GB/s from io_bytes,
+  TFLOP/s from matmul_flops with unit 1e12."""
   out = {}
   for timed, t in ms.items():
     base = timed if timed in work else timed.split(".")[0]
-    if work.get(base) is not None and t > 0:
+    if work.get(base) and t > 0:
       out[timed] = work[base] / (t * 1e-3) / unit
   return out

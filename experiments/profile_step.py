@@ -89,6 +89,7 @@ PARTS = (
     ("sse_jax/layers/params.py", "projections (einsums)"),
     ("sse_jax/layers/linear.py", "projections (einsums)"),
     ("sse_jax/layers/", "rest of the layers"),
+    ("sse_jax/data/", "input batch"),
     ("sse_jax/model/", "embedding, logits and residual stream"),
     ("sse_jax/train/metrics.py", "loss"),
     ("sse_jax/train/", "optimizer and clipping"),

@@ -55,8 +55,9 @@ def test_gdn_kernels_bytes_and_flops_by_hand():
 
 
 def test_rate_matches_names_and_skips_unknown_work():
-  work = {"gdn_prepare": 1e9, "gdn_grads": 4e9, "gdn_states": None}
-  ms = {"gdn_prepare": 0.5, "gdn_grads.1": 2.0, "gdn_states": 1.0, "other": 1.0}
+  work = {"gdn_prepare": 1e9, "gdn_grads": 4e9, "gdn_states": None, "sweep": 0.0}
+  ms = {"gdn_prepare": 0.5, "gdn_grads.1": 2.0, "gdn_states": 1.0, "other": 1.0,
+        "sweep": 1.0}  # a walk without matrix products: no rate, not 0 TFLOP/s
   assert kernel_work.rate(work, ms) == {"gdn_prepare": 1e9 / 0.5e-3 / 1e9,
                                         "gdn_grads.1": 4e9 / 2e-3 / 1e9}
   assert kernel_work.rate(work, ms, 1e12)["gdn_grads.1"] == pytest.approx(2.0)  # TFLOP/s
