@@ -38,7 +38,7 @@ if [[ $STEPS == *,throughput,* ]]; then
   python3 -m experiments.throughput --size="$SIZE" --tokens="$TOKENS" --variants="$VARIANTS" \
       --lengths="$LENGTHS" --steps=5 --warmup=1 --out="$OUT/throughput" \
       > "$OUT/throughput.log" 2>&1 || FAILED="$FAILED throughput"
-  cat "$OUT/throughput/throughput.md" 2>/dev/null | grep -E "^\|"
+  grep -sE "^\|" "$OUT/throughput/throughput.md"
 fi
 if [[ $STEPS == *,peers,* ]]; then
   python3 -m experiments.bench_fla_e2e --size="$SIZE" --tokens="$TOKENS" --variants=gla,sse \

@@ -159,12 +159,13 @@ def _table(name: str, rows: list[tuple[str, dict[str, float]]], total: float,
   (None: all) and the rest summed in one row."""
   lines = [f"| {name} | forward ms | backward ms | optimizer ms | total ms | share |",
            "|---|---|---|---|---|---|"]
-  for f, c in rows[:top]:
+  shown, hidden = (rows, []) if top is None else (rows[:top], rows[top:])
+  for f, c in shown:
     cells = " | ".join(f"{c.get(ph, 0.0):.2f}" for ph in PHASES)
     lines.append(f"| {f} | {cells} | {c['total']:.2f} | {c['total'] / total:.1%} |")
-  rest = sum(c["total"] for _, c in rows[len(rows) if top is None else top:])
+  rest = sum(c["total"] for _, c in hidden)
   if rest:
-    lines.append(f"| {len(rows) - top} more {name}s | | | | {rest:.2f} | {rest / total:.1%} |")
+    lines.append(f"| {len(hidden)} more {name}s | | | | {rest:.2f} | {rest / total:.1%} |")
   return lines
 
 

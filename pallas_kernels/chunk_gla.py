@@ -152,8 +152,9 @@ class BlockSizes:
   # bf16 anyway; at L = 1024 the bf16 errors against the fp32 scan moved by < 1e-5.
   low_precision_states: bool = True
   intra_scores: bool = True
-  # H200, L = 32K, the dense core's fwd + bwd: 3.36 ms with it, 3.03 without
-  # (results/bench_ops/gla_walk_prefetch_h200.log); the GDN walks, with [C, Dk] tiles,
+  # L = 32K, the dense core's fwd + bwd: on an H200 3.36 ms with it, 3.03 without
+  # (results/bench_ops/gla_walk_prefetch_h200.log), on an H100 3.15 with it, 3.23
+  # without (results/bench_ops/gla_kernels_h100.log); the GDN walks, with [C, Dk] tiles,
   # ran 2-5x faster without it. Kept on until the SSE walks (64 x 64 tiles) are timed
   # without it too.
   prefetch: bool = True
