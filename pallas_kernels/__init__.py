@@ -2,4 +2,5 @@
 
   chunk_gla  chunked gated linear attention (GLA / SSE)
   chunk_gdn  chunked gated delta rule (GDN / SSE-GDN)
+  move_rows  row gathers of the varlen packing (slots into chunk-aligned buffers)
 """

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import re
 import warnings
 from typing import NamedTuple
 
@@ -73,11 +75,21 @@ def random_routing(key, b, t, n, top_k, dtype=jnp.float32, mode="random"):
   return weights.astype(dtype), indices.astype(jnp.int32)
 
 
-def cuda_triton_calls(fn, *args) -> int:
-  """Number of Triton kernel calls in jit(fn)(*args) lowered for CUDA (on any host); the
-  lowering itself is the check that Triton accepts the compiled (non-interpret)
-  kernels."""
+def cuda_triton_kernels(fn, *args) -> collections.Counter:
+  """{kernel name: number of calls} of the Triton kernels in jit(fn)(*args) lowered for
+  CUDA (on any host); the lowering itself is the check that Triton accepts the compiled
+  (non-interpret) kernels."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  return text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
+  calls = [line for line in text.splitlines()
+           if "__gpu$xla.gpu.triton" in line or "triton_kernel_call" in line]
+  names = [re.search(r'name = "([^"]*)"', line) for line in calls]
+  return collections.Counter(m.group(1) if m else "?" for m in names)
+
+
+def cuda_triton_calls(fn, *args) -> int:
+  """Number of Triton kernel calls in jit(fn)(*args) lowered for CUDA other than the
+  packing's row moves (`pallas_kernels.move_rows`, counted by `cuda_triton_kernels`)."""
+  counts = cuda_triton_kernels(fn, *args)
+  return sum(n for name, n in counts.items() if name != "move_rows")

@@ -22,8 +22,8 @@ from pallas_kernels import chunk_gla as pallas_chunk_gla
 from sse_jax import ops
 from sse_jax.ops import chunked
 from sse_jax.ops import impl as impl_lib
-from tests.op_testing import (assert_close, cuda_triton_calls, random_qkvg, random_routing,
-                               rel_err, x64)
+from tests.op_testing import (assert_close, cuda_triton_calls, cuda_triton_kernels,
+                               random_qkvg, random_routing, rel_err, x64)
 
 BF16_TOL = 5e-3   # bf16 matmul operands, fp32 accumulation (the target)
 
@@ -314,8 +314,12 @@ def test_kernels_lower_for_cuda():
 
   # Per op: forward scores (and gate sums), states, outputs; backward reverse states
   # (state gradients), dv, dq/dk inter and intra (the forward's states are kept).
-  calls = cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
-  assert calls == 14, f"expected 14 Triton kernel calls, found {calls}"
+  counts = cuda_triton_kernels(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
+  moves = counts.pop("move_rows", 0)
+  assert sum(counts.values()) == 14, f"expected 14 Triton kernel calls, found {counts}"
+  # Per op, the packing's row moves: q, k, v, g into the buffer and o out, then the
+  # cotangents the other way (10).
+  assert moves == 20, f"expected 20 row moves, found {moves}"
   # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
   # pallas_call gains a grid dimension, and still lowers, as the same 14 calls.
   stack = lambda a: jnp.stack([a, a])

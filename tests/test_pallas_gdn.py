@@ -22,7 +22,7 @@ from pallas_kernels import chunk_gdn as kernels
 from sse_jax import ops
 from sse_jax.ops.gdn import chunk_gdn as xla_chunk_gdn
 from sse_jax.ops import impl as impl_lib
-from tests.op_testing import assert_close, cuda_triton_calls, random_routing, x64
+from tests.op_testing import assert_close, cuda_triton_kernels, random_routing, x64
 from tests.test_ops_gdn import random_gdn
 
 # bf16 q, k, v (fp32 accumulation; bf16 or ~16-bit products with T and the score
@@ -271,8 +271,13 @@ def test_kernels_lower_for_cuda(split_grads):
                        shared=(x.q, x.k, x.g, x.beta))
     return jnp.sum(o.astype(jnp.float32))
 
-  calls = cuda_triton_calls(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
-  assert calls == 6 + split_grads, f"expected {6 + split_grads} Triton calls, found {calls}"
+  counts = cuda_triton_kernels(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  moves = counts.pop("move_rows", 0)
+  calls = sum(counts.values())
+  assert calls == 6 + split_grads, f"expected {6 + split_grads} Triton calls, found {counts}"
+  # The packing's row moves: q, k, v, g, beta into the buffer and o out, then the
+  # cotangents the other way.
+  assert moves == 12, f"expected 12 row moves, found {moves}"
 
 
 def test_profile_gdn_variants_measures_time_and_error():

@@ -266,35 +266,38 @@ def run_core(core, q, k, v, g, beta, h0, seg_start, seg_chunks):
 
 
 def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = False,
-                     sorted_tail: int = 0, core=chunk_gdn):
+                     sorted_tail: int = 0, core=chunk_gdn,
+                     move: packing.RowMover = packing.take_rows):
   """`chunk_gdn` (or another chunk core) over slots grouped into segments (see
   `packing`).
 
   rows: (q, k, v, g, beta), each [P, ...] (P slots, in time order within each segment);
   slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted, sorted_tail as in
-  `packing.chunk_layout`. Padding rows are zero: identities. Returns o [P, H, Dv] and the
+  `packing.chunk_layout`; move: the row mover. Padding rows are zero: identities. Returns o [P, H, Dv] and the
   final state of every segment [Z, H, Dk, Dv].
   """
   num_chunks = packing.max_chunks(slot_segment.shape[0], h0.shape[0], chunk_size)
   layout = packing.chunk_layout(slot_segment, h0.shape[0], chunk_size, presorted,
                                 sorted_tail)
-  buffers = [packing.scatter_rows(x, layout.rows, num_chunks * chunk_size).reshape(
+  buffers = [packing.scatter_rows(x, layout.rows, num_chunks * chunk_size, move).reshape(
       (1, num_chunks, chunk_size) + x.shape[1:]) for x in rows]
   o, final = run_core(core, *buffers, h0, layout.seg_start, layout.seg_chunks)
   o = o.reshape((num_chunks * chunk_size,) + o.shape[3:])
-  return packing.gather_rows(o, layout.rows), final
+  return packing.gather_rows(o, layout.rows, move), final
 
 
-def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int, core=chunk_gdn):
+def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int, core=chunk_gdn,
+                move: packing.RowMover = packing.take_rows):
   """The chunked form on [B, T, ...] inputs (q scaled; q, k, v in the core's storage
   dtype, the rest in the compute dtype): equal-length rows of the batch, or B == 1 row
-  of packed sequences. core: a chunk core (`core_fn`), the XLA `chunk_gdn` by default."""
+  of packed sequences. core: a chunk core (`core_fn`), the XLA `chunk_gdn` by default;
+  move: the packed path's row mover."""
   b, t = q.shape[:2]
   if cu_seqlens is not None:
     seq, _ = reference.sequence_ids(cu_seqlens, t)
     # Sequence ids never decrease along T: the slots are already in segment order.
     o, final = packed_chunk_gdn(tuple(x[0] for x in (q, k, v, g, beta)), seq, h0,
-                                chunk_size, presorted=True, core=core)
+                                chunk_size, presorted=True, core=core, move=move)
     return o[None], final
   nc = -(-t // chunk_size)
 
@@ -378,7 +381,7 @@ def _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, *, plan, chunk_size, dtype, qk
         return gdn_scan(q, k, v, g, beta, h0, cu_seqlens)
       case Algorithm.CHUNK:
         return chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size,
-                           core_fn(plan.core, qkv_dtype))
+                           core_fn(plan.core, qkv_dtype), impl_lib.row_mover(plan.core))
       case other:
         raise ValueError(f"gdn has no algorithm {other!r}")
 

@@ -56,14 +56,14 @@ def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chu
 
 def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
                    core: ChunkCore = chunked.chunk_gla, presorted: bool = False,
-                   sorted_tail: int = 0):
+                   sorted_tail: int = 0, move: packing.RowMover = packing.take_rows):
   """Chunked GLA over slots grouped into segments (see `packing`).
 
   q, k, g: [P, H, Dk]; v: [P, H, Dv], in time order within each segment;
   slot_segment: int [P]; h0: [Z, H, Dk, Dv] per-segment initial states.
   presorted, sorted_tail (static): slot_segment is non-decreasing, or is in its last
   sorted_tail slots, which come after all others in segment order
-  (`packing.chunk_layout`).
+  (`packing.chunk_layout`). move: how slots are copied into the buffer and back.
   Returns o [P, H, Dv] and per-segment final states [Z, H, Dk, Dv] (an empty segment
   keeps its initial state).
   """
@@ -73,24 +73,27 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   layout = packing.chunk_layout(slot_segment, z, chunk_size, presorted, sorted_tail)
 
   def to_buffer(x):
-    x = packing.scatter_rows(x, layout.rows, nc * chunk_size)
+    x = packing.scatter_rows(x, layout.rows, nc * chunk_size, move)
     return x.reshape((1, nc, chunk_size) + x.shape[1:])
 
   o, final = run_core(core, to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
                       layout.seg_start, layout.seg_chunks)
-  return packing.gather_rows(o.reshape((nc * chunk_size,) + o.shape[3:]), layout.rows), final
+  o = o.reshape((nc * chunk_size,) + o.shape[3:])
+  return packing.gather_rows(o, layout.rows, move), final
 
 
 def chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size: int,
-                core: ChunkCore = chunked.chunk_gla):
-  """Dispatches to the dense or packed chunked path (inputs in compute dtype)."""
+                core: ChunkCore = chunked.chunk_gla,
+                move: packing.RowMover = packing.take_rows):
+  """Dispatches to the dense or packed chunked path (inputs in compute dtype); move:
+  the packed path's row mover."""
   if cu_seqlens is None:
     return dense_chunked(q, k, v, g, h0, chunk_size, core)
   seq, _ = reference.sequence_ids(cu_seqlens, q.shape[1])
   # Sequence ids along T never decrease (cu_seqlens is checked to be non-decreasing
   # on concrete inputs), so the slots are already in segment order.
   o, final = packed_chunked(q[0], k[0], v[0], g[0], seq, h0, chunk_size, core,
-                            presorted=True)
+                            presorted=True, move=move)
   return o[None], final
 
 
@@ -164,7 +167,8 @@ def _gla(q, k, v, g, scale, h0, cu_seqlens, *, plan, chunk_size, dtype, qkv_dtyp
         return reference.gla_scan(q, k, v, g, h0, cu_seqlens)
       case Algorithm.CHUNK:
         return chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size,
-                           impl_lib.core_fn(plan.core, qkv_dtype))
+                           impl_lib.core_fn(plan.core, qkv_dtype),
+                           impl_lib.row_mover(plan.core))
       case other:
         raise ValueError(f"gla has no algorithm {other!r}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import re
 
 import jax
@@ -21,8 +22,10 @@ import numpy as np
 
 from pallas_kernels import chunk_gdn as gdn_kernels
 from pallas_kernels import chunk_gla as kernels
+from pallas_kernels import move_rows as move_kernels
 from sse_jax.ops import checks
 from sse_jax.ops import chunked
+from sse_jax.ops import packing
 
 
 class Algorithm(enum.Enum):
@@ -257,6 +260,19 @@ def storage_dtype(core: Core | None, input_dtypes, compute_dtype) -> jnp.dtype:
       if all(jnp.dtype(d) == jnp.bfloat16 for d in input_dtypes):
         return jnp.dtype(jnp.bfloat16)
       return jnp.dtype(jnp.float32)
+    case _:
+      raise ValueError(f"unknown chunk core {core!r}")
+
+
+def row_mover(core: Core | None) -> packing.RowMover:
+  """How the packed paths copy rows into their chunk-aligned buffer and back: XLA's
+  gather for the XLA core, the Pallas kernel (`pallas_kernels.move_rows`, in the core's
+  interpret mode) for the Pallas one."""
+  match core:
+    case None | XlaCore():
+      return packing.take_rows
+    case PallasCore(interpret=interpret):
+      return functools.partial(move_kernels.move_rows, interpret=interpret)
     case _:
       raise ValueError(f"unknown chunk core {core!r}")
 

@@ -13,10 +13,24 @@ padded buffer holds at most ceil(P / C) + Z chunks, whatever the routing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+# (x [P, ...], take int32 [R]) -> y [R, ...], y[i] = x[take[i]] for 0 <= take[i] < P and
+# zeros elsewhere: how rows are copied (`take_rows` in XLA; the Pallas ops pass
+# `pallas_kernels.move_rows.move_rows`, which copies whole tiles instead of elements).
+RowMover = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def take_rows(x: jax.Array, take: jax.Array) -> jax.Array:
+  """The XLA row mover (`RowMover`): a gather that fills out-of-range rows with 0."""
+  if x.shape[0] == 0:  # no slots (e.g. T = 0): nothing to take, all rows are padding
+    return jnp.zeros(take.shape + x.shape[1:], x.dtype)
+  return jnp.take(x, take, axis=0, mode="fill", fill_value=0)
 
 
 class ChunkLayout(NamedTuple):
@@ -68,14 +82,17 @@ def chunk_layout(slot_segment: jax.Array, num_segments: int, chunk_size: int,
   return ChunkLayout(rows, seg_start, seg_chunks, seg_len)
 
 
-def scatter_rows(x: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
-  """Places slot values x [P, ...] at buffer rows [P] (distinct); other rows are zero."""
-  return _move_rows(x, _slot_of_row(rows, num_rows), rows)
+def scatter_rows(x: jax.Array, rows: jax.Array, num_rows: int,
+                 move: RowMover = take_rows) -> jax.Array:
+  """Places slot values x [P, ...] at buffer rows [P] (distinct); other rows are zero.
+  move (static): the `RowMover` that copies them (and their cotangents back)."""
+  return _move_rows(x, _slot_of_row(rows, num_rows), rows, move)
 
 
-def gather_rows(buffer: jax.Array, rows: jax.Array) -> jax.Array:
+def gather_rows(buffer: jax.Array, rows: jax.Array,
+                move: RowMover = take_rows) -> jax.Array:
   """buffer[rows] [P, ...] for distinct rows: the inverse of `scatter_rows`."""
-  return _move_rows(buffer, rows, _slot_of_row(rows, buffer.shape[0]))
+  return _move_rows(buffer, rows, _slot_of_row(rows, buffer.shape[0]), move)
 
 
 def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
@@ -84,9 +101,9 @@ def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
   return jnp.full((num_rows,), p, jnp.int32).at[rows].set(jnp.arange(p, dtype=jnp.int32))
 
 
-@jax.custom_vjp
-def _move_rows(x, take, inverse):
-  """y[i] = x[take[i]], zero where take[i] is out of range (a padding row).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _move_rows(x, take, inverse, move):
+  """y[i] = x[take[i]] by `move`, zero where take[i] is out of range (a padding row).
 
   `take` hits each row of x at most once and inverse[j] is the i with take[i] == j (out
   of range if none), so the transpose is again a gather, dx = dy[inverse], instead of
@@ -94,18 +111,16 @@ def _move_rows(x, take, inverse):
   supports reverse mode only (no `jax.jvp` through the packed paths, as for the Pallas
   kernels).
   """
-  if x.shape[0] == 0:  # no slots (e.g. T = 0): nothing to take, all rows are padding
-    return jnp.zeros(take.shape + x.shape[1:], x.dtype)
-  return jnp.take(x, take, axis=0, mode="fill", fill_value=0)
+  return move(x, take)
 
 
-def _move_rows_fwd(x, take, inverse):
-  return _move_rows(x, take, inverse), (take, inverse)
+def _move_rows_fwd(x, take, inverse, move):
+  return _move_rows(x, take, inverse, move), (take, inverse)
 
 
-def _move_rows_bwd(res, dy):
+def _move_rows_bwd(move, res, dy):
   take, inverse = res
-  return _move_rows(dy, inverse, take), None, None
+  return _move_rows(dy, inverse, take, move), None, None
 
 
 _move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)

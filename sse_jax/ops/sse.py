@@ -176,7 +176,8 @@ def _sse(q, k, v, g, weights, indices, read, h0, shared, h0_shared, scale, cu_se
     if not shared:  # () stands for "none" inside shard_map
       shared = h0_shared = None
     args = (q, k, v, g, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
-    chunked = lambda path: path(*args, chunk_size, impl_lib.core_fn(plan.core, qkv_dtype))
+    chunked = lambda path: path(*args, chunk_size, impl_lib.core_fn(plan.core, qkv_dtype),
+                                impl_lib.row_mover(plan.core))
     match plan.algorithm:
       case Algorithm.SCAN:
         o, final, final0 = sse_paths.scan(*args)

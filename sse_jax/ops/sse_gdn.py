@@ -75,7 +75,7 @@ def _scan(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seqle
 
 
 def _masking(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seqlens,
-             chunk_size, core):
+             chunk_size, core, move):
   """Per-partition copies folded into the head axis, one chunked call.
 
   Where partition i is not written at t: g = 0 and beta = 0 (an identity step: no decay,
@@ -96,7 +96,7 @@ def _masking(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_se
   b, t, p, h = parts[3].shape
   fold = lambda x: x.reshape((b, t, p * h) + x.shape[4:])
   o, final = chunked_gdn(*map(fold, parts), h0.reshape((-1, p * h) + h0.shape[3:]),
-                         cu_seqlens, chunk_size, core)
+                         cu_seqlens, chunk_size, core, move)
   o = o.reshape(b, t, p, h, -1).sum(axis=2)
   final = final.reshape((-1, p, h) + final.shape[2:])
   if shared is None:
@@ -128,7 +128,7 @@ def _routed_slots(q, k, v, g, beta, routing: Routing):
 
 
 def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seqlens,
-            chunk_size, core):
+            chunk_size, core, move):
   """Tokens gathered per (sequence, partition) segment, one packed chunked call."""
   b, t = q.shape[:2]
   seq = (jnp.repeat(jnp.arange(b), t) if cu_seqlens is None
@@ -154,7 +154,8 @@ def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seq
     seg = jnp.concatenate([seg, nseq * n + seq])
     h0_table = jnp.concatenate([h0_table, h0_shared])
   o_s, finals = packed_chunk_gdn(slots, seg, h0_table, chunk_size,
-                                 sorted_tail=0 if shared is None else b * t, core=core)
+                                 sorted_tail=0 if shared is None else b * t, core=core,
+                                 move=move)
   routed = b * t * per_token
   o = o_s[:routed].reshape((b * t, per_token) + o_s.shape[1:]).sum(axis=1)
   final, final0 = finals[:nseq * n].reshape(h0.shape), None
@@ -340,7 +341,8 @@ def _sse_gdn(q, k, v, g, beta, weights, indices, read, h0, shared, h0_shared, sc
     if not shared:  # () stands for "none" inside shard_map
       shared = h0_shared = None
     args = (q, k, v, g, beta, routing, num_partitions, h0, shared, h0_shared, cu_seqlens)
-    chunked = lambda path: path(*args, chunk_size, core_fn(plan.core, qkv_dtype))
+    chunked = lambda path: path(*args, chunk_size, core_fn(plan.core, qkv_dtype),
+                                impl_lib.row_mover(plan.core))
     match plan.algorithm:
       case Algorithm.SCAN:
         o, final, final0 = _scan(*args)

@@ -1,7 +1,7 @@
 """The four algorithms of `sse` (docs/design.md, section 3), on prepared inputs.
 
 Every path takes (q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens) and the
-chunked ones also (chunk_size, core); they return (o [B, T, H, Dv], final routed states
+chunked ones also (chunk_size, core, move: the packing's `packing.RowMover`); they return (o [B, T, H, Dv], final routed states
 [B | S, N, H, Dk, Dv], final shared state [B | S, H, Dk, Dv] or None).
 
 q, k: [B, T, H, Dk] or per partition [B, T, N, H, Dk]; v: [B, T, H, Dv] or
@@ -31,25 +31,25 @@ def scan(q, k, v, g, routing: Routing, n, h0, shared, h0_shared, cu_seqlens):
   return o + o0, final, final0
 
 
-def loop(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
+def loop(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, move):
   """One chunked call per partition (and one for the shared partition)."""
   qm, km, gm = routing_lib.masked_partitions(q, k, g, routing, n)
   outs, finals = [], []
   for i in range(n):
     v_i = v[:, :, i] if routing_lib.is_per_partition(v) else v
     o_i, f_i = gla_lib.chunked_gla(qm[:, :, i], km[:, :, i], v_i, gm[:, :, i], h0[:, i],
-                                   cu_seqlens, c, core)
+                                   cu_seqlens, c, core, move)
     outs.append(o_i)
     finals.append(f_i)
   o, final, final0 = sum(outs), jnp.stack(finals, axis=1), None
   if shared is not None:
     q0, k0, g0, v0 = shared
-    o0, final0 = gla_lib.chunked_gla(q0, k0, v0, g0, h0_shared, cu_seqlens, c, core)
+    o0, final0 = gla_lib.chunked_gla(q0, k0, v0, g0, h0_shared, cu_seqlens, c, core, move)
     o = o + o0
   return o, final, final0
 
 
-def masking(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
+def masking(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, move):
   """Fold the N (+1 shared) partitions into the head axis: one chunked call."""
   qm, km, gm = routing_lib.masked_partitions(q, k, g, routing, n)
   b, t, _, h, _ = qm.shape
@@ -62,7 +62,7 @@ def masking(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
   fold = lambda x: x.reshape(b, t, p * h, x.shape[-1])
   o, final = gla_lib.chunked_gla(fold(qm), fold(km), fold(vm), fold(gm),
                                  h0.reshape((-1, p * h) + h0.shape[3:]), cu_seqlens, c,
-                                 core)
+                                 core, move)
   o = o.reshape(b, t, p, h, -1).sum(axis=2)
   final = final.reshape((-1, p, h) + final.shape[2:])
   if shared is None:
@@ -70,7 +70,7 @@ def masking(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
   return o, final[:, :n], final[:, n]
 
 
-def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
+def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, move):
   """Gather tokens per (sequence, partition) segment, one packed chunked call."""
   b, t, h = g.shape[:3]
   if cu_seqlens is None:
@@ -100,7 +100,8 @@ def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core):
   # The shared partition's slots (segment ids nseq * N + sequence, after every routed
   # id, in time order) are already in segment order: only the routed ones are sorted.
   o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core,
-                                       sorted_tail=0 if shared is None else b * t)
+                                       sorted_tail=0 if shared is None else b * t,
+                                       move=move)
   routed = b * t * per_token
   o = o_s[:routed].reshape(b * t, per_token, h, -1).sum(axis=1)
   final = finals[:nseq * n].reshape(h0.shape)
