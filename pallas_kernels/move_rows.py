@@ -3,13 +3,16 @@
 The varlen ops move every slot (a token of a packed sequence, a token routed to a
 partition) into a chunk-aligned buffer and the outputs back: a gather of whole rows,
 x [P, F] -> y [R, F], where take[i] in [0, P) names the row of x that row i of y
-copies and any other value (the padding rows) gives a row of zeros. XLA's gather does
-this one element at a time, each element computing and bounds-checking its own index;
-here each program loads `rows` indices once and copies [rows, cols] tiles with one
-masked vector load per tile.
+copies and any other value (the padding rows) gives a row of zeros. XLA's own gather
+computes the same, but fuses with its producers and consumers; in a training step those
+often have T as the minor dimension (projection outputs, cotangents bound for weight
+gradients), and the fused gather then touches each row one strided element at a time
+(docs/kernels.md, "Row moves"). A kernel is a fusion boundary with row-major operands,
+and each program loads `rows` indices once and copies a [rows, cols] tile with one
+masked vector load.
 
-Grid: (ceil(R / rows), ceil(F / cols)); a program copies rows [i rows, (i + 1) rows)
-of y, columns [j cols, (j + 1) cols). `reference` is the same gather in XLA.
+Grid: (ceil(R / rows), F / cols); a program copies rows [i rows, (i + 1) rows) of y,
+columns [j cols, (j + 1) cols). `reference` is the same gather in XLA.
 """
 
 from __future__ import annotations
