@@ -69,6 +69,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels import chunk_gla as gla
@@ -753,20 +754,45 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
 # custom_vjp core over (q, k, v, g, beta, h0) with static tables.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _core(q, k, v, g, beta, h0, start, count, bs, interpret):
-  return _core_fwd(q, k, v, g, beta, h0, start, count, bs, interpret)[0]
+  """(o, final) with gradients for (q, k, v, g, beta, h0), split as `chunk_gla._core`:
+  the forward kernels whose results the backward pass reads run outside the
+  custom_vjp on stopped gradients, named `chunk_gla.RESIDUAL_NAME`, so that a
+  checkpoint saving only those recomputes the rest without running them again."""
+  stop = lax.stop_gradient
+  kept = _forward_kernels(stop(q), stop(k), stop(v), stop(g), stop(beta), stop(h0),
+                          start, count, bs, interpret)
+  return _outputs_with_grads(q, k, v, g, beta, h0, start, count, *kept, bs, interpret)
 
 
-def _core_fwd(q, k, v, g, beta, h0, start, count, bs, interpret):
-  valid = gla._valid_chunks(start, count, q.shape[0])
+# A jit of its own, as `chunk_gla._forward_kernels` (an unused jit is pruned).
+@functools.partial(jax.jit, static_argnums=(8, 9))
+def _forward_kernels(q, k, v, g, beta, h0, start, count, bs, interpret):
+  """(gc, inv, w, u, h_start, final), each named RESIDUAL_NAME."""
   gc, inv, w, uu = _prepare(k, v, g, beta, bs, interpret)
   h_start, u, final = _states(k, w, uu, gc, h0, start, count, bs, interpret)
-  o = _outputs(q, k, gc, h_start, u, valid, bs, interpret)
-  return (o, final), (q, k, v, beta, gc, inv, w, u, h_start, h0, start, count)
+  kept = functools.partial(checkpoint_name, name=gla.RESIDUAL_NAME)
+  return tuple(map(kept, (gc, inv, w, u, h_start, final)))
 
 
-def _core_bwd(bs, interpret, res, cot):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(14, 15))
+def _outputs_with_grads(q, k, v, g, beta, h0, start, count, gc, inv, w, u, h_start,
+                        final, bs, interpret):
+  """(o, final) from the forward kernels' results (computed from the inputs by
+  `_core`); the backward pass gives the gradients of the whole op w.r.t. q, k, v, g,
+  beta, h0 and none w.r.t. those results."""
+  valid = gla._valid_chunks(start, count, q.shape[0])
+  return _outputs(q, k, gc, h_start, u, valid, bs, interpret), final
+
+
+def _outputs_fwd(q, k, v, g, beta, h0, start, count, gc, inv, w, u, h_start, final, bs,
+                 interpret):
+  out = _outputs_with_grads(q, k, v, g, beta, h0, start, count, gc, inv, w, u, h_start,
+                            final, bs, interpret)
+  return out, (q, k, v, beta, gc, inv, w, u, h_start, h0, start, count)
+
+
+def _outputs_bwd(bs, interpret, res, cot):
   q, k, v, beta, gc, inv, w, u, h_start, h0, start, count = res
   do, dfinal = cot
   valid = gla._valid_chunks(start, count, q.shape[0])
@@ -775,10 +801,11 @@ def _core_bwd(bs, interpret, res, cot):
                          interpret)
   dq, dk, dv, dbeta, dg = _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid,
                                  bs, interpret)
-  return dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None
+  return (dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None,
+          None, None, None, None, None, None)
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+_outputs_with_grads.defvjp(_outputs_fwd, _outputs_bwd)
 
 
 def storage_dtype_for(dtype) -> jnp.dtype:

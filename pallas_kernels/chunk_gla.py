@@ -80,9 +80,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas import triton as plgpu
 
 SUB = 16  # L: rows of a sub-chunk.
+# The name (`jax.ad_checkpoint.checkpoint_name`) of the residuals that the custom_vjp
+# cores keep from their forward kernels (scores, in-chunk gate sums, chunk states): a
+# `jax.checkpoint` policy that saves only these recomputes everything else the backward
+# pass needs, e.g. the packed copies of q, k, v that a caller built (sse_jax's
+# `impl.keep_kernel_residuals`).
+RESIDUAL_NAME = "pallas_kernel_residual"
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims Dk, Dv the kernels support
 CHUNKS = (16, 32, 64, 128)  # the chunk lengths they support
 
@@ -1125,23 +1132,58 @@ def _valid_chunks(start, count, nc):
   return (jnp.cumsum(edge(start, 1) + edge(start + count, -1)) > 0).astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _core(q, k, v, g, h0, start, count, bs, interpret):
-  return _core_fwd(q, k, v, g, h0, start, count, bs, interpret)[0]
+  """(o, final) with gradients for (q, k, v, g, h0).
+
+  The forward kernels whose results the backward pass reads (scores and gate sums,
+  chunk states) run here, outside the custom_vjp, on stopped gradients, their results
+  named RESIDUAL_NAME; `_outputs_with_grads` takes them as inputs and differentiates
+  the whole op. So every residual of the custom_vjp is one of its inputs, and a
+  `jax.checkpoint` policy that saves only RESIDUAL_NAME recomputes q, k, v (a packed
+  copy, say) in the backward pass without running these kernels again; a residual
+  made inside a custom_vjp's forward would make the checkpoint rerun all of it.
+  """
+  stop = lax.stop_gradient
+  a, b, h_start, final = _forward_kernels(stop(q), stop(k), stop(v), stop(g), stop(h0),
+                                          start, count, bs, interpret)
+  return _outputs_with_grads(q, k, v, g, h0, start, count, a, b, h_start, final, bs,
+                             interpret)
 
 
-def _core_fwd(q, k, v, g, h0, start, count, bs, interpret):
-  valid = _valid_chunks(start, count, q.shape[0])
-  a, b = _scores(q, k, g, bs, interpret)
+# A jit of its own: JAX never prunes an unused pallas_call, but prunes an unused jit. A
+# checkpoint's recomputation in the backward pass copies these calls, whose results
+# it then takes from the saved residuals: pruned, the copy is never lowered.
+@functools.partial(jax.jit, static_argnums=(7, 8))
+def _forward_kernels(q, k, v, g, h0, start, count, bs, interpret):
+  """(a, b, h_start, final): the scores, gate sums and states, named RESIDUAL_NAME
+  (h_start only when the backward pass does not walk the states again)."""
+  kept = functools.partial(checkpoint_name, name=RESIDUAL_NAME)
+  a, b = map(kept, _scores(q, k, g, bs, interpret))
   h_start, final = _states(k, v, b, h0, start, count, bs, interpret)
-  o = _outputs(q, v, b, a, h_start, valid, bs, interpret)
+  # final is small; naming it keeps the states walk out of the recomputation.
+  return a, b, h_start if bs.recompute_states else kept(h_start), kept(final)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
+def _outputs_with_grads(q, k, v, g, h0, start, count, a, b, h_start, final, bs,
+                        interpret):
+  """(o, final) from the forward kernels' results a, b, h_start, final (computed from
+  q, k, v, g, h0 by `_core`); the backward pass gives the gradients of the whole op
+  w.r.t. q, k, v, g, h0 and none w.r.t. those results."""
+  valid = _valid_chunks(start, count, q.shape[0])
+  return _outputs(q, v, b, a, h_start, valid, bs, interpret), final
+
+
+def _outputs_fwd(q, k, v, g, h0, start, count, a, b, h_start, final, bs, interpret):
+  out = _outputs_with_grads(q, k, v, g, h0, start, count, a, b, h_start, final, bs,
+                            interpret)
   # Keeping the states saves a local-state pass and a sweep in the backward pass;
-  # [NC, H, Dk, Dv] fp32 is the largest residual, hence bs.recompute_states.
+  # [NC, H, Dk, Dv] is the largest residual, hence bs.recompute_states.
   kept = None if bs.recompute_states else h_start
-  return (o, final), (q, k, v, b, h0, start, count, a, kept)
+  return out, (q, k, v, b, h0, start, count, a, kept)
 
 
-def _core_bwd(bs, interpret, res, cot):
+def _outputs_bwd(bs, interpret, res, cot):
   q, k, v, b, h0, start, count, a, h_start = res
   do, dfinal = cot
   valid = _valid_chunks(start, count, q.shape[0])
@@ -1152,10 +1194,10 @@ def _core_bwd(bs, interpret, res, cot):
   dv = _dv(k, b, a, do, dh, valid, bs, interpret)
   dq, dk, dg = _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg,
-          dh0.astype(h0.dtype), None, None)
+          dh0.astype(h0.dtype), None, None, None, None, None, None)
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+_outputs_with_grads.defvjp(_outputs_fwd, _outputs_bwd)
 
 
 def storage_dtype_for(dtype) -> jnp.dtype:

@@ -196,7 +196,7 @@ def test_infinite_and_huge_decays_reset_the_state_without_nan(impl, dtype, tol):
   """g = -inf (a hard reset) and g = -1e38 rows, also several in one chunk and at a
   chunk's first row: the chunked paths match the scan, values and gradients, instead
   of turning -inf - (-inf) into NaN (chunked.LOG_DECAY_FLOOR, applied by
-  gla.run_core). Pallas runs fp32."""
+  gla.dense_chunked and gla.packed_chunked). Pallas runs fp32."""
   with x64():
     x = random_qkvg(jax.random.PRNGKey(8), 1, 100, 2, 16, 16, dtype)
     g = x.g.at[:, 5].set(-jnp.inf).at[:, 9].set(-1e38).at[:, 32].set(-jnp.inf)

@@ -37,6 +37,14 @@ def _topk_keep(x32: jax.Array) -> jax.Array:
   return x32 >= kth
 
 
+# Under jax.checkpoint the backward pass keeps x (bf16 in a bf16 model) and computes the
+# softmax again, rather than keeping its fp32 result: half the bytes, same numbers.
+@jax.checkpoint
+def _softmax(x: jax.Array) -> jax.Array:
+  """softmax over the last axis, taken in fp32 and rounded to x's dtype."""
+  return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
 def activate(name: str, x: jax.Array) -> jax.Array:
   """Applies feature map `name` over the last axis of x; keeps x's dtype."""
   if name == "identity":
@@ -48,7 +56,7 @@ def activate(name: str, x: jax.Array) -> jax.Array:
   if name == "elu+1":
     return jax.nn.elu(x) + 1
   if name == "softmax":
-    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+    return _softmax(x)
   if name == "topk-softmax":
     x32 = x.astype(jnp.float32)
     masked = jnp.where(_topk_keep(x32), x32, -jnp.inf)

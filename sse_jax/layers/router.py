@@ -70,6 +70,15 @@ def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return jnp.take_along_axis(probs, idx, axis=-1), idx
 
 
+# Under jax.checkpoint the backward pass keeps x in its own dtype (bf16 in a bf16
+# model; the block keeps it anyway) rather than the fp32 copy the matmul reads.
+@jax.checkpoint
+def _logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [B, T, D] @ W_e [D, N] in fp32 (HIGHEST: no TF32): [B, T, N]."""
+  return jnp.einsum("btd,dn->btn", x.astype(jnp.float32), kernel,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
 class Router(nnx.Module):
   """W_e [D, N], always float32 (routing decisions are sensitive to rounding)."""
 
@@ -82,8 +91,7 @@ class Router(nnx.Module):
                                ("embed", "partitions"), jnp.float32)
 
   def __call__(self, x: jax.Array) -> Routing:
-    logits = jnp.einsum("btd,dn->btn", x.astype(jnp.float32), self.kernel[...],
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = _logits(x, self.kernel[...])
     probs = jax.nn.softmax(logits, axis=-1)
     ww, wi = top_k(probs, self.num_writers)
     rw = ri = None

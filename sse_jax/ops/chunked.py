@@ -32,7 +32,8 @@ import jax.numpy as jnp
 SUBCHUNK = 16  # L: sub-chunk length of the overflow-safe intra-chunk factorisation.
 
 # Log decays below this are raised to it before the in-chunk cumulative sums of every
-# chunk core (this one and the Pallas kernels), by the ops (`gla.run_core`). exp(-200)
+# chunk core (this one and the Pallas kernels), by the ops (`gla.dense_chunked`,
+# `gla.packed_chunked` and their GDN twins), before any packing. exp(-200)
 # is 0 in fp32 and 1e-87 in fp64, so values and gradients do not change, but g = -inf
 # (a hard reset) or -1e38 no longer turns a difference of cumulative sums into
 # -inf - (-inf) = NaN, and large magnitudes do not eat the sums' precision.
@@ -60,9 +61,23 @@ def in_chunk_cumsum(g: jax.Array, axis: int) -> jax.Array:
   return out.reshape(g.shape)
 
 
+@jax.custom_jvp
 def floor_log_decay(g: jax.Array) -> jax.Array:
-  """max(g, LOG_DECAY_FLOOR): what the chunk cores sum as g (see LOG_DECAY_FLOOR)."""
+  """max(g, LOG_DECAY_FLOOR): what the chunk cores sum as g (see LOG_DECAY_FLOOR).
+
+  Its derivative passes dg where g >= LOG_DECAY_FLOOR and is 0 below. Written out
+  (rather than jnp.maximum's, which weighs ties by 1/2) so that the backward pass
+  keeps a bool mask: jnp.maximum's keeps a float array of g's size, and g here is
+  usually a packed copy that nothing else keeps (SSE varlen: two slots per token).
+  """
   return jnp.maximum(g, jnp.asarray(LOG_DECAY_FLOOR, g.dtype))
+
+
+@floor_log_decay.defjvp
+def _floor_log_decay_jvp(primals, tangents):
+  (g,), (dg,) = primals, tangents
+  kept = g >= jnp.asarray(LOG_DECAY_FLOOR, g.dtype)
+  return floor_log_decay(g), jnp.where(kept, dg, jnp.zeros((), dg.dtype))
 
 
 def _exp_masked(x: jax.Array, mask: jax.Array) -> jax.Array:

@@ -259,12 +259,6 @@ def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks):
   return jnp.where(covered, jnp.moveaxis(o, 2, 3), 0.0), final
 
 
-def run_core(core, q, k, v, g, beta, h0, seg_start, seg_chunks):
-  """core(...) on chunked inputs, g raised to chunked.LOG_DECAY_FLOOR first (a -inf
-  reset made finite for every core, as `gla.run_core` does)."""
-  return core(q, k, v, chunked.floor_log_decay(g), beta, h0, seg_start, seg_chunks)
-
-
 def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = False,
                      sorted_tail: int = 0, core=chunk_gdn,
                      move: packing.RowMover = packing.take_rows):
@@ -276,12 +270,15 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
   `packing.chunk_layout`; move: the row mover. Padding rows are zero: identities. Returns o [P, H, Dv] and the
   final state of every segment [Z, H, Dk, Dv].
   """
+  # g floored before the packing, as in `gla.packed_chunked` (and why).
+  q, k, v, g, beta = rows
+  rows = (q, k, v, chunked.floor_log_decay(g), beta)
   num_chunks = packing.max_chunks(slot_segment.shape[0], h0.shape[0], chunk_size)
   layout = packing.chunk_layout(slot_segment, h0.shape[0], chunk_size, presorted,
                                 sorted_tail)
   buffers = [packing.scatter_rows(x, layout.rows, num_chunks * chunk_size, move).reshape(
       (1, num_chunks, chunk_size) + x.shape[1:]) for x in rows]
-  o, final = run_core(core, *buffers, h0, layout.seg_start, layout.seg_chunks)
+  o, final = core(*buffers, h0, layout.seg_start, layout.seg_chunks)
   o = o.reshape((num_chunks * chunk_size,) + o.shape[3:])
   return packing.gather_rows(o, layout.rows, move), final
 
@@ -305,8 +302,9 @@ def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int, core=chunk_gd
     x = jnp.pad(x, [(0, 0), (0, nc * chunk_size - t)] + [(0, 0)] * (x.ndim - 2))
     return x.reshape((b, nc, chunk_size) + x.shape[2:])
 
-  o, final = run_core(core, *map(chunks, (q, k, v, g, beta)), h0,
-                      jnp.arange(b, dtype=jnp.int32) * nc, jnp.full((b,), nc, jnp.int32))
+  g = chunked.floor_log_decay(g)
+  o, final = core(*map(chunks, (q, k, v, g, beta)), h0,
+                  jnp.arange(b, dtype=jnp.int32) * nc, jnp.full((b,), nc, jnp.int32))
   return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], final
 
 
@@ -385,6 +383,7 @@ def _gdn(q, k, v, g, beta, scale, h0, cu_seqlens, *, plan, chunk_size, dtype, qk
       case other:
         raise ValueError(f"gdn has no algorithm {other!r}")
 
+  run = impl_lib.keep_kernel_residuals(run, plan.core)
   axes = sharding.shard_axes(b, h)  # a context mesh: one batch / head shard per device
   if axes is None:
     o, final = run(q, k, v, g, beta, h0)

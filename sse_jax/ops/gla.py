@@ -26,20 +26,17 @@ DEFAULT_CHUNK = 64
 ChunkCore = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def run_core(core: ChunkCore, q, k, v, g, h0, seg_start, seg_chunks):
-  """core(...) on chunked inputs, g raised to chunked.LOG_DECAY_FLOOR first: the one
-  place a -inf reset (or -1e38) is made finite for every core."""
-  return core(q, k, v, chunked.floor_log_decay(g), h0, seg_start, seg_chunks)
-
-
 def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chunk_gla):
   """Chunked GLA on a batch of equal-length sequences.
 
   q, k, g: [B, T, H, Dk]; v: [B, T, H, Dv]; h0: [B, H, Dk, Dv]. T is padded up to a
   multiple of C with q = k = g = 0 rows, which leave the state untouched, so the state
-  after the padding is the state at T.
+  after the padding is the state at T. g is raised to chunked.LOG_DECAY_FLOOR here, as
+  in `packed_chunked`: the two places a -inf reset (or -1e38) is made finite for
+  every core.
   """
   b, t = q.shape[:2]
+  g = chunked.floor_log_decay(g)
   nc = -(-t // chunk_size)
   pad = nc * chunk_size - t
 
@@ -49,8 +46,7 @@ def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chu
 
   seg_start = jnp.arange(b, dtype=jnp.int32) * nc
   seg_chunks = jnp.full((b,), nc, jnp.int32)
-  o, final = run_core(core, chunk(q), chunk(k), chunk(v), chunk(g), h0, seg_start,
-                      seg_chunks)
+  o, final = core(chunk(q), chunk(k), chunk(v), chunk(g), h0, seg_start, seg_chunks)
   return o.reshape((b, nc * chunk_size) + o.shape[3:])[:, :t], final
 
 
@@ -69,6 +65,10 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   """
   p = q.shape[0]
   z = h0.shape[0]
+  # Floored before the packing, so that the backward pass's mask of floored entries
+  # is one of the slots, which a checkpoint recomputes from the op's inputs, not one
+  # of a packed copy (`impl.keep_kernel_residuals`).
+  g = chunked.floor_log_decay(g)
   nc = packing.max_chunks(p, z, chunk_size)
   layout = packing.chunk_layout(slot_segment, z, chunk_size, presorted, sorted_tail)
 
@@ -76,8 +76,8 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
     x = packing.scatter_rows(x, layout.rows, nc * chunk_size, move)
     return x.reshape((1, nc, chunk_size) + x.shape[1:])
 
-  o, final = run_core(core, to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
-                      layout.seg_start, layout.seg_chunks)
+  o, final = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
+                  layout.seg_start, layout.seg_chunks)
   o = o.reshape((nc * chunk_size,) + o.shape[3:])
   return packing.gather_rows(o, layout.rows, move), final
 
@@ -172,6 +172,7 @@ def _gla(q, k, v, g, scale, h0, cu_seqlens, *, plan, chunk_size, dtype, qkv_dtyp
       case other:
         raise ValueError(f"gla has no algorithm {other!r}")
 
+  run = impl_lib.keep_kernel_residuals(run, plan.core)
   # With cu_seqlens (B == 1) only the heads can be sharded: shard_axes finds no batch
   # axis that divides 1, and each device runs its heads over the whole packed T.
   axes = sharding.shard_axes(b, h)

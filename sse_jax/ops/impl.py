@@ -277,6 +277,29 @@ def row_mover(core: Core | None) -> packing.RowMover:
       raise ValueError(f"unknown chunk core {core!r}")
 
 
+def keep_kernel_residuals(fn, core: Core | None):
+  """fn, for a Pallas core under `jax.checkpoint` with a policy that saves only the
+  kernels' own residuals (`kernels.RESIDUAL_NAME`: scores, gate sums, chunk states);
+  fn itself for other cores.
+
+  What it saves: the packed paths build copies of their inputs (routed and shared
+  slots gathered into chunk-aligned buffers, masked per-partition copies) that the
+  kernels' backward reads. Kept, they are the largest part of an SSE layer's memory
+  beyond a GLA layer's; recomputed in the backward pass from fn's inputs, they cost a
+  second pass of the packing, row copies and elementwise glue (no kernel reruns). The
+  XLA core's residuals carry no names, so under this policy its whole forward pass
+  would run again: it keeps its residuals instead.
+  """
+  match core:
+    case PallasCore():
+      policy = jax.checkpoint_policies.save_only_these_names(kernels.RESIDUAL_NAME)
+      return jax.checkpoint(fn, policy=policy)
+    case None | XlaCore():
+      return fn
+    case _:
+      raise ValueError(f"unknown chunk core {core!r}")
+
+
 def core_fn(core: Core, qkv_dtype):
   """The chunk core function (contract: `chunked.chunk_gla`) with the core's static
   parameters bound."""

@@ -71,6 +71,33 @@ def pick(x, idx):
   return jnp.take_along_axis(flat, idx[:, :, None, None], axis=1, mode="clip")
 
 
+@jax.custom_vjp
+def weighted(x, w):
+  """x [..., H, D] times w [...] per row, in x's dtype; the product is taken in the
+  promoted dtype (fp32 for bf16 x and fp32 w) and rounded once.
+
+  A custom_vjp only for what the backward pass keeps: x in its own dtype. Automatic
+  differentiation keeps the promoted (fp32) copy of x that the product multiplies,
+  twice the bytes for bf16 inputs; the gradients are the same expressions.
+  """
+  return (x * w[..., None, None]).astype(x.dtype)
+
+
+def _weighted_fwd(x, w):
+  return weighted(x, w), (x, w)
+
+
+def _weighted_bwd(res, dy):
+  x, w = res
+  dy = dy.astype(jnp.result_type(x, w))
+  dx = (dy * w[..., None, None]).astype(x.dtype)
+  dw = jnp.sum(dy * x.astype(dy.dtype), axis=(-2, -1)).astype(w.dtype)
+  return dx, dw
+
+
+weighted.defvjp(_weighted_fwd, _weighted_bwd)
+
+
 def masked_partitions(q, k, g, routing: Routing, num_partitions: int):
   """Per-partition copies [B, T, N, H, Dk] with unselected tokens made identities.
 
@@ -95,9 +122,8 @@ def routed_slots(q, k, v, g, routing: Routing):
   write slot precedes the read slot of the same token, so the read sees S_t.
   """
   flat = lambda x: x.reshape((-1,) + x.shape[2:])
-  col = lambda w: flat(w)[..., None, None]
   w_idx, r_idx = flat(routing.write_idx), flat(routing.read_idx)
-  gated = lambda x, idx, w: (pick(x, idx) * col(w)).astype(x.dtype)
+  gated = lambda x, idx, w: weighted(pick(x, idx), flat(w))
   if routing.tied:
     return (gated(q, w_idx, routing.read_w), gated(k, w_idx, routing.write_w),
             pick(v, w_idx), pick(g, w_idx), w_idx)

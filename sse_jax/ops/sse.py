@@ -191,6 +191,7 @@ def _sse(q, k, v, g, weights, indices, read, h0, shared, h0_shared, scale, cu_se
         raise ValueError(f"sse has no algorithm {other!r}")
     return o, final, (() if final0 is None else final0)  # no None leaves in shard_map
 
+  run = impl_lib.keep_kernel_residuals(run, plan.core)
   inputs = (q, k, v, g, weights, indices, read, h0, shared, h0_shared)
   # With cu_seqlens (B == 1) only the heads can be sharded: shard_axes finds no batch
   # axis that divides 1, and each device runs its heads over the whole packed T.

@@ -354,6 +354,7 @@ def _sse_gdn(q, k, v, g, beta, weights, indices, read, h0, shared, h0_shared, sc
         raise ValueError(f"sse_gdn has no algorithm {other!r}")
     return o, final, (() if final0 is None else final0)  # no None leaves in shard_map
 
+  run = impl_lib.keep_kernel_residuals(run, plan.core)
   inputs = (q, k, v, g, beta, weights, indices, read, h0, shared, h0_shared)
   axes = sharding.shard_axes(b, h)  # a context mesh: one batch / head shard per device
   if axes is None:
