@@ -279,8 +279,8 @@ def row_mover(core: Core | None) -> packing.RowMover:
 
 def keep_kernel_residuals(fn, core: Core | None):
   """fn, for a Pallas core under `jax.checkpoint` with a policy that saves only the
-  kernels' own residuals (`kernels.RESIDUAL_NAME`: scores, gate sums, chunk states);
-  fn itself for other cores.
+  kernels' own residuals (`kernels.RESIDUAL_NAME`: scores, gate sums, chunk states)
+  and the packing's index tables (`packing.LAYOUT_NAME`); fn itself for other cores.
 
   What it saves: the packed paths build copies of their inputs (routed and shared
   slots gathered into chunk-aligned buffers, masked per-partition copies) that the
@@ -292,7 +292,8 @@ def keep_kernel_residuals(fn, core: Core | None):
   """
   match core:
     case PallasCore():
-      policy = jax.checkpoint_policies.save_only_these_names(kernels.RESIDUAL_NAME)
+      policy = jax.checkpoint_policies.save_only_these_names(kernels.RESIDUAL_NAME,
+                                                             packing.LAYOUT_NAME)
       return jax.checkpoint(fn, policy=policy)
     case None | XlaCore():
       return fn

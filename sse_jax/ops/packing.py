@@ -18,7 +18,13 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+
+# The name (`jax.ad_checkpoint.checkpoint_name`) of the layout's index tables: small
+# (int32 per slot or row), and a checkpoint that saves them (`impl.keep_kernel_residuals`)
+# does not sort the slots again in the backward pass.
+LAYOUT_NAME = "packing_layout"
 
 # (x [P, ...], take int32 [R]) -> y [R, ...], y[i] = x[take[i]] for 0 <= take[i] < P and
 # zeros elsewhere: how rows are copied (`take_rows` in XLA; the Pallas ops pass
@@ -79,7 +85,8 @@ def chunk_layout(slot_segment: jax.Array, num_segments: int, chunk_size: int,
     sorted_pos = sorted_pos.at[order].set(jnp.arange(head, dtype=jnp.int32))
   rank = sorted_pos - seg_offset[slot_segment]
   rows = seg_start[slot_segment] * chunk_size + rank
-  return ChunkLayout(rows, seg_start, seg_chunks, seg_len)
+  return ChunkLayout(*(checkpoint_name(x, LAYOUT_NAME)
+                       for x in (rows, seg_start, seg_chunks, seg_len)))
 
 
 def scatter_rows(x: jax.Array, rows: jax.Array, num_rows: int,
@@ -98,7 +105,8 @@ def gather_rows(buffer: jax.Array, rows: jax.Array,
 def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
   """int32 [num_rows]: the slot placed at each buffer row, or P for a padding row."""
   p = rows.shape[0]
-  return jnp.full((num_rows,), p, jnp.int32).at[rows].set(jnp.arange(p, dtype=jnp.int32))
+  slots = jnp.full((num_rows,), p, jnp.int32).at[rows].set(jnp.arange(p, dtype=jnp.int32))
+  return checkpoint_name(slots, LAYOUT_NAME)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
