@@ -189,8 +189,8 @@ def whole_core(x, bs, interpret, reps):
     return jnp.sum(o.astype(jnp.float32) * do[None].astype(jnp.float32))
   args = tuple(x[n] for n in ("q", "k", "v", "g", "h0", "start", "count", "do"))
   return dict(fwd=median_ms(jax.jit(loss), *args, reps=reps),
-              fwd_bwd=median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), *args,
-                                reps=reps))
+              fwd_bwd=median_ms(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))),
+                                *args, reps=reps))
 
 
 def core_outputs(x, bs, interpret) -> dict[str, jax.Array]:
@@ -332,7 +332,7 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
 
     def grad_ms(fn):
       loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * x["cot"].astype(jnp.float32))
-      return median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
+      return median_ms(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
                        x["q"], x["k"], x["v"], x["g"], x["w"], reps=reps)
 
     layout, nc, packed_x = _packed_chunks(seg, z, chunk, heads, dim, seed=1)
@@ -343,8 +343,8 @@ def op_overhead(length, heads, dim, chunk, partitions, interpret, reps):
       o, _ = kernels.chunk_gla(q, k, v, g, h0, layout.seg_start, layout.seg_chunks,
                                interpret=interpret)
       return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-    core_ms = median_ms(jax.jit(jax.grad(core_loss, argnums=(0, 1, 2, 3))), q, k, v, g,
-                        reps=reps)
+    core_ms = median_ms(jax.jit(jax.value_and_grad(core_loss, argnums=(0, 1, 2, 3))), q, k,
+                        v, g, reps=reps)
     rows.append(dict(op="gla" if n is None else "sse", n=n, op_ms=grad_ms(op),
                      core_ms=core_ms, packing_ms=grad_ms(packed), chunks=nc))
   return rows
@@ -382,7 +382,7 @@ def op_trace(length, heads, dim, partitions, impls, reps, hlo_dir, rule="gla"):
         raise ValueError(f"unknown rule {rule!r}")
     loss = lambda *a, op=op: jnp.sum(op(*a).astype(jnp.float32) * x["cot"].astype(
         jnp.float32))
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
     args = tuple(x[key] for key in names)
     if hlo_dir:
       pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
@@ -414,15 +414,16 @@ def gdn_variants(length, heads, dim, chunk, variants, interpret, reps):
   def grads(impl):
     loss = lambda *a: jnp.sum(ops.gdn(*a, cu_seqlens=x["cu"], impl=impl,
                                       chunk_size=chunk)[0].astype(jnp.float32) * cot)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
-  want = grads("chunk")(*(a.astype(jnp.float32) for a in args))
+  # (loss, gradients): the loss keeps o, and so the output kernel, in the program.
+  want = grads("chunk")(*(a.astype(jnp.float32) for a in args))[1]
   rows = []
   for variant in variants:
     fields = {} if variant == "defaults" else op_setting.parse_variant(variant)
     bs = chunk_gdn.BlockSizes(chunk=chunk, **fields)
     step = grads(ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(bs, interpret)))
-    got = step(*args)
+    got = step(*args)[1]
     errors = {name: op_setting.rel_err(g, w)
               for name, g, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want)}
     del got

@@ -32,7 +32,8 @@ def _dense_gdn_grads(t=128, h=2, d=64):
   x = random_gdn(jax.random.PRNGKey(0), 1, t, h, d, d, jnp.bfloat16)
   plan = ops.Plan(ops.Algorithm.CHUNK, ops.PallasCore(None, False))
   loss = lambda *a: jnp.sum(ops.gdn(*a, impl=plan)[0].astype(jnp.float32))
-  return jax.grad(loss, argnums=(0, 1, 2)), x
+  # value_and_grad: the loss keeps o, and so the output kernel, in the program.
+  return jax.value_and_grad(loss, argnums=(0, 1, 2)), x
 
 
 def test_gdn_kernels_bytes_and_flops_by_hand():
