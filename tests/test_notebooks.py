@@ -9,9 +9,9 @@ PYTHONPATH unset, so `sse_jax` is what the install resolves to (the repository's
 checkout beside that editable install for `configs` and `experiments`, which are not
 installed. The first cell is the same in every notebook: the install from REPO_URL or a
 local checkout, the accelerator and the impl that `auto` picks, and SIZE (small on a
-CPU). As in test_train_runs, XLA:CPU compiles with LLVM optimisation off (compiles
-dominate these small runs) into a persistent compilation cache shared with the other
-tests.
+CPU). As in test_train_runs, XLA:CPU compiles with the session's cheap-compile flags
+(conftest.py; compiles dominate these small runs) into a persistent compilation cache
+shared with the other tests.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def kernel_env(tmp_path_factory) -> dict[str, str]:
   env.update(
       SSE_NOTEBOOK_SIZE="small", JAX_PLATFORMS="cpu",
       MPLBACKEND="module://matplotlib_inline.backend_inline",  # figures become outputs
-      XLA_FLAGS="--xla_backend_optimization_level=0",
+      XLA_FLAGS=os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0"),
       JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
       JAX_COMPILATION_CACHE_MAX_SIZE=str(1 << 30))

@@ -3,7 +3,8 @@ resume, refused checkpoints, 1 vs 8 devices, two processes, and the compiled ste
 
 Runs go through `python -m sse_jax.train` in subprocesses: each gets the device count it
 needs (set before jax starts). To keep compile time down (XLA:CPU needs ~25 s for the
-SSE train step on 2 cores), they compile with LLVM optimisation off and share a
+SSE train step on 2 cores), they compile with the session's cheap-compile XLA flags
+(conftest.py: LLVM optimisation off, the classic loop emitters) and share a
 persistent compilation cache (in the temp dir, kept between sessions; SSE_JAX_TEST_CACHE
 overrides the place), so each program is compiled once. Runs are only ever compared with
 runs made the same way. The reference run (REF, 30 steps of a 1-layer SSE model on MQAR)
@@ -62,7 +63,8 @@ def env():
   cache = os.environ.get("SSE_JAX_TEST_CACHE",
                          os.path.join(tempfile.gettempdir(), "sse_jax_test_jax_cache"))
   e = dict(os.environ)
-  e.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
+  e.update(JAX_PLATFORMS="cpu",
+           XLA_FLAGS=os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0"),
            PYTHONPATH=os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]),
            JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")

@@ -101,8 +101,11 @@ def test_stacked_runs_must_differ_only_in_lr_and_seed(tmp_path):
 
 
 def test_stacked_runs_on_eight_devices_match_one_device(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  # The session's XLA flags (conftest.py: cheap compiles) plus the device count; on
+  # their own the device-count flag would compile the subprocess's programs at full
+  # optimisation, about twice as slowly.
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(),
              PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   proc = subprocess.run([sys.executable, "-c", EIGHT_DEVICES, str(tmp_path / "eight")],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
