@@ -213,32 +213,13 @@ class TestPallasGPU:
     the others are steep (spans ~300-450) and go row by row."""
     bs = dict(bs)
     dims = bs.pop("dims", None)
-    c, h = bs.pop("chunk", 32), 2
+    c = bs.pop("chunk", 32)
     dk, dv = dims or (64, 64)
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **bs)
-    keys = jax.random.split(jax.random.PRNGKey(9), 6)
-    shape = (1, 5, c, h)
-    q, k = (jax.random.normal(kk, shape + (dk,)) for kk in keys[:2])
-    v = jax.random.normal(keys[2], shape + (dv,))
-    g = -60.0 * jax.random.uniform(keys[3], shape + (dk,)) ** 4   # mostly mild, some steep
-    g = g * jnp.asarray([1.0, 0.01, 1.0, 0.1, 1.0])[None, :, None, None, None]
-    h0 = jax.random.normal(keys[4], (2, h, dk, dv))
-    cot = jax.random.normal(keys[5], shape + (dv,))
-    start, count = jnp.asarray([0, 2], jnp.int32), jnp.asarray([1, 3], jnp.int32)
-
-    def run(core):
-      def loss(q, k, v, g, h0):
-        o, f = core(q, k, v, g, h0, start, count)
-        return jnp.sum(o * cot) + jnp.sum(f), (o, f)
-      return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True))(q, k, v, g, h0)
-
-    (_, out), grads = run(functools.partial(pallas_chunk_gla.chunk_gla, block_sizes=bs,
-                                            interpret=self.INTERPRET))
-    with jax.default_matmul_precision("highest"):  # XLA's GPU default would be TF32
-      (_, ref32), ref32_grads = run(chunked.chunk_gla)
-    with x64():
-      q, k, v, g, h0, cot = _up((q, k, v, g, h0, cot), jnp.float64)
-      (_, ref), ref_grads = run(pallas_chunk_gla.reference)
+    (_, out), grads = _steep_gate_step(
+        functools.partial(pallas_chunk_gla.chunk_gla, block_sizes=bs,
+                          interpret=self.INTERPRET), _steep_gate_inputs(c, dk, dv))
+    (ref32, ref32_grads), (ref, ref_grads) = _steep_gate_references(c, dk, dv)
     assert np.isfinite(np.asarray(grads[3])).all()
     # Against float64, and no less accurate than the XLA core in float32: with gates
     # this steep the in-chunk sums b reach ~-1000 at C = 32 (~-2000 at C = 128), so
@@ -250,6 +231,48 @@ class TestPallasGPU:
                                leaves((ref, ref_grads))):
       assert_close(a, r, self.fp32_tol * 5, name)
       assert_close(a, r, 2 * rel_err(r32, r) + 1e-6, f"{name} (twice the XLA core's error)")
+
+
+def _steep_gate_inputs(c: int, dk: int, dv: int):
+  """test_block_sizes_and_steep_gates' q, k, v, g, h0 and output cotangent: five chunks
+  of c tokens, two heads."""
+  keys = jax.random.split(jax.random.PRNGKey(9), 6)
+  shape = (1, 5, c, 2)
+  q, k = (jax.random.normal(kk, shape + (dk,)) for kk in keys[:2])
+  v = jax.random.normal(keys[2], shape + (dv,))
+  g = -60.0 * jax.random.uniform(keys[3], shape + (dk,)) ** 4   # mostly mild, some steep
+  g = g * jnp.asarray([1.0, 0.01, 1.0, 0.1, 1.0])[None, :, None, None, None]
+  h0 = jax.random.normal(keys[4], (2, 2, dk, dv))
+  cot = jax.random.normal(keys[5], shape + (dv,))
+  return q, k, v, g, h0, cot
+
+
+def _steep_gate_step(core, inputs):
+  """(loss, (o, final)), gradients w.r.t. q, k, v, g, h0 of `core` on two segments
+  (chunk 0, and chunks 2-4) of `inputs`."""
+  q, k, v, g, h0, cot = inputs
+  start, count = jnp.asarray([0, 2], jnp.int32), jnp.asarray([1, 3], jnp.int32)
+
+  def loss(q, k, v, g, h0):
+    o, f = core(q, k, v, g, h0, start, count)
+    return jnp.sum(o * cot) + jnp.sum(f), (o, f)
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True))(q, k, v, g, h0)
+
+
+@functools.lru_cache(maxsize=None)
+def _steep_gate_references(c: int, dk: int, dv: int):
+  """The references of test_block_sizes_and_steep_gates at chunk c and head dims
+  (dk, dv), as host arrays: ((o, final), gradients) of the XLA chunk core in float32
+  and of the kernel file's one-token-at-a-time reference in float64. They do not
+  depend on the block sizes, so a process computes them once per shape (most of the
+  variants share the default one)."""
+  inputs = _steep_gate_inputs(c, dk, dv)
+  with jax.default_matmul_precision("highest"):  # XLA's GPU default would be TF32
+    (_, ref32), ref32_grads = _steep_gate_step(chunked.chunk_gla, inputs)
+  with x64():
+    (_, ref), ref_grads = _steep_gate_step(pallas_chunk_gla.reference,
+                                           _up(inputs, jnp.float64))
+    return jax.device_get(((ref32, ref32_grads), (ref, ref_grads)))
 
 
 class TestPallasInterpret(TestPallasGPU):
