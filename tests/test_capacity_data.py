@@ -14,6 +14,7 @@ from sse_jax.data import mqar
 from sse_jax.data import make_source
 from sse_jax.model import LanguageModel, ModelConfig
 from sse_jax.train import config as config_lib
+from sse_jax.train import loop
 from sse_jax.train import metrics as metrics_lib
 from sse_jax.train import steps
 
@@ -73,20 +74,30 @@ def _tiny_config(**changes):
 
 def test_test_sets_hold_1024_answers_and_are_the_same_for_every_seed(tmp_path):
   c = _tiny_config(eval_pairs=(2, 6))
-  a = train_lib.train_and_evaluate(c, str(tmp_path / "a"))
-  c.seed = 1
-  b = train_lib.train_and_evaluate(c, str(tmp_path / "b"))
-  for summary in (a, b):
-    by_pairs = summary["eval"]["by_pairs"]
-    assert sorted(by_pairs) == ["2", "6"]
-    # 4 rows per batch: P = 2 needs 128 batches, P = 6 43 (1032 answers)
-    assert by_pairs["2"]["answers"] == 1024 and by_pairs["6"]["answers"] == 1032
-    assert all(0 <= m["accuracy"] <= 1 and len(m["agreement"]) == 2
-               for m in by_pairs.values())
+  summary = train_lib.train_and_evaluate(c, str(tmp_path / "a"))
+  by_pairs = summary["eval"]["by_pairs"]
+  assert sorted(by_pairs) == ["2", "6"]
+  # 4 rows per batch: P = 2 needs 128 batches, P = 6 43 (1032 answers)
+  assert by_pairs["2"]["answers"] == 1024 and by_pairs["6"]["answers"] == 1032
+  assert all(0 <= m["accuracy"] <= 1 and len(m["agreement"]) == 2
+             for m in by_pairs.values())
   test = config_lib.test_config(config_lib.eval_data_config(c), 6)
   assert test["split"] == "test" and test["num_pairs"] == 6 and test["min_pairs"] is None
   assert config_lib.test_batches(c, test) == 43
-  assert a["history"][-1]["eval_by_pairs"] == a["eval"]["by_pairs"]
+  assert summary["history"][-1]["eval_by_pairs"] == summary["eval"]["by_pairs"]
+  # The trainer's test batches for two seeds: the same examples (its training and
+  # validation streams differ).
+  batches = {}
+  for seed in (0, 1):
+    c.seed = seed
+    train, _, tests = loop._datasets(c)
+    dataset, count = tests[6]
+    batches[seed] = ([b["inputs"] for _, b in zip(range(count), dataset)],
+                     next(iter(train))["inputs"])
+  assert len(batches[0][0]) == 43
+  for a, b in zip(batches[0][0], batches[1][0]):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(batches[0][1], batches[1][1])
 
 
 @pytest.mark.parametrize("changes,match", [
