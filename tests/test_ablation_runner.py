@@ -62,9 +62,11 @@ def test_parallel_sweep_trains_every_run_and_reports(tmp_path):
 
 
 def test_stacked_sweep_trains_each_runs_lrs_and_seeds_in_one_process(tmp_path):
+  """--stack groups a run's 2 lrs x 2 seeds into one child process (two of table8's
+  three runs trained, --only; the grouping of every run is checked without training)."""
   cmd = [sys.executable, "-m", "experiments.ablation", "--config=configs/table8.py:cpu",
          f"--workdir={tmp_path}", "--workers=2", "--stack", "--config.lrs=(0.003, 0.01)",
-         "--config.seeds=(0, 1)", *TINY]
+         "--config.seeds=(0, 1)", "--only=shared,separate", *TINY]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   cfg = table8.get_config("cpu")
@@ -73,16 +75,20 @@ def test_stacked_sweep_trains_each_runs_lrs_and_seeds_in_one_process(tmp_path):
   groups = sweep.groups_of(jobs, stack=True)
   assert [len(g) for g in groups] == [4] * len(cfg.runs)
   assert sweep.groups_of(jobs, stack=False) == [[j] for j in jobs]
-  for group in groups:  # one child per run, its log in the first job's directory
+  trained = [g for g in groups if g[0].run in ("shared", "separate")]
+  assert len(trained) == 2
+  for group in trained:  # one child per run, its log in the first job's directory
     assert (group[0].dir / "train.log").exists()
     assert not any((j.dir / "train.log").exists() for j in group[1:])
     summaries = [report.read_summary(j) for j in group]
     assert all(s is not None and s["step"] == 2 for s in summaries), group[0].dir
     losses = {s["eval"]["loss"] for s in summaries}
     assert len(losses) == 4  # four different runs, not one run copied
+  assert all(report.read_summary(j) is None for g in groups if g[0].run == "mom" for j in g)
   results = json.loads((tmp_path / cfg.name / "results.json").read_text())
   assert "--stack" in results["command"]
-  assert all(r["finished"] and r["seeds"] == 2 for r in results["rows"])
+  rows = {r["run"]: r for r in results["rows"]}
+  assert all(rows[run]["finished"] and rows[run]["seeds"] == 2 for run in ("shared", "separate"))
 
 
 def _eval_record(step, loss, accuracy):
