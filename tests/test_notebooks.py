@@ -21,7 +21,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import time
 
 import nbformat
@@ -48,16 +47,11 @@ def kernel_env(tmp_path_factory) -> dict[str, str]:
   mp = pytest.MonkeyPatch()  # the kernelspec lookup (in this process) reads JUPYTER_PATH
   mp.setenv("JUPYTER_PATH", os.pathsep.join(
       p for p in (str(spec_root), os.environ.get("JUPYTER_PATH")) if p))
-  cache = os.environ.get("SSE_JAX_TEST_CACHE",
-                         os.path.join(tempfile.gettempdir(), "sse_jax_test_jax_cache"))
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   env.update(
       SSE_NOTEBOOK_SIZE="small", JAX_PLATFORMS="cpu",
       MPLBACKEND="module://matplotlib_inline.backend_inline",  # figures become outputs
-      XLA_FLAGS=os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0"),
-      JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-      JAX_COMPILATION_CACHE_MAX_SIZE=str(1 << 30))
+      XLA_FLAGS=os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0"))
   yield env
   mp.undo()
 

@@ -12,7 +12,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import types
 
 import pytest
@@ -30,11 +29,7 @@ TINY = ["--config.num_steps=2", "--config.warmup_steps=1", "--config.log_every=1
 
 def _cli(*args, timeout=300):
   """Runs the trainer from the repository root; returns (exit status, stdout, stderr)."""
-  cache = os.environ.get("SSE_JAX_TEST_CACHE",
-                         os.path.join(tempfile.gettempdir(), "sse_jax_test_jax_cache"))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")  # the compilation cache: conftest.py
   proc = subprocess.run([sys.executable, "-m", "sse_jax.train", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
   return proc.returncode, proc.stdout, proc.stderr

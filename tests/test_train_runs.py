@@ -5,8 +5,8 @@ Runs go through `python -m sse_jax.train` in subprocesses: each gets the device 
 needs (set before jax starts). To keep compile time down (XLA:CPU needs ~25 s for the
 SSE train step on 2 cores), they compile with the session's cheap-compile XLA flags
 (conftest.py: LLVM optimisation off, the classic loop emitters) and share a
-persistent compilation cache (in the temp dir, kept between sessions; SSE_JAX_TEST_CACHE
-overrides the place), so each program is compiled once. Runs are only ever compared with
+persistent compilation cache (conftest.py: in the temp dir, kept between sessions;
+SSE_JAX_TEST_CACHE overrides the place), so each program is compiled once. Runs are only ever compared with
 runs made the same way. The reference run (REF, 30 steps of a 1-layer SSE model on MQAR)
 is shared by the tests, across xdist workers too (a file lock makes one worker run it).
 """
@@ -22,7 +22,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -60,14 +59,10 @@ def shared_root(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def env():
-  cache = os.environ.get("SSE_JAX_TEST_CACHE",
-                         os.path.join(tempfile.gettempdir(), "sse_jax_test_jax_cache"))
-  e = dict(os.environ)
+  e = dict(os.environ)  # XLA flags and the compilation cache: conftest.py
   e.update(JAX_PLATFORMS="cpu",
            XLA_FLAGS=os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0"),
-           PYTHONPATH=os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]),
-           JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+           PYTHONPATH=os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]))
   return e
 
 
