@@ -31,6 +31,27 @@ def test_rmsnorm_and_swiglu_match_numpy():
   assert_close(mlp(X), (a / (1 + np.exp(-a)) * b) @ w(mlp.down), 1e-5, "swiglu")
 
 
+def test_rmsnorm_gradients_match_numpy_and_keep_only_its_inputs():
+  """RMSNorm's gradients (x and scale) against the closed form in float64; its float32
+  intermediates are recomputed in the backward pass, so the only residuals are x (in
+  its own dtype, bf16 here) and the scale."""
+  graphdef, state = nnx.split(random_module(lambda: RMSNorm(8, eps=1e-5), seed=1))
+  cot = jax.random.normal(jax.random.key(2), X.shape)
+  loss = lambda x, state: jnp.sum(nnx.merge(graphdef, state)(x) * cot)
+  dx, dstate = jax.grad(loss, (0, 1))(X, state)
+  x, c = np.asarray(X, np.float64), np.asarray(cot, np.float64)
+  scale = np.asarray(state["scale"][...], np.float64)
+  r = 1 / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + 1e-5)
+  u = c * scale  # the cotangent of x * r
+  want_dx = r * u - x * r ** 3 * np.mean(u * x, -1, keepdims=True)
+  assert_close(dx, want_dx, 1e-5, "d rmsnorm / dx")
+  assert_close(dstate["scale"][...], np.sum(c * x * r, (0, 1)), 1e-5, "d rmsnorm / dscale")
+  from jax._src import ad_checkpoint  # pylint: disable=g-import-not-at-top
+  kept = ad_checkpoint.saved_residuals(loss, X.astype(jnp.bfloat16), state)
+  # Besides the arguments, only the test's own cotangent (a constant of `loss`).
+  assert [why for _, why in kept if "from the argument" not in why] == ["from a constant"]
+
+
 def test_short_conv_is_causal_depthwise_and_resumable():
   conv = random_module(lambda: ShortConv(3, (2, 4), ("heads", "head_dim"),
                                          rngs=nnx.Rngs(0)), seed=3)

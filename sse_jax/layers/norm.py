@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -34,5 +35,14 @@ class RMSNorm(nnx.Module):
     self.scale = params.ones((dim,), names, param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)
-    return y.astype(self.dtype)
+    return _scaled_rms_norm(x, self.scale[...], self.eps, jnp.dtype(self.dtype))
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _scaled_rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
+  """rms_normalize(x) * scale in `dtype`, recomputed in the backward pass: its float32
+  intermediates are three float32 copies of x (about a third of what a model keeps for
+  its backward pass, `experiments.saved_residuals`), and recomputing them is elementwise
+  work on x, which is kept anyway in its own dtype."""
+  y = rms_normalize(x, eps) * scale.astype(jnp.float32)
+  return y.astype(dtype)
