@@ -85,7 +85,7 @@ flags.DEFINE_list("job", [], "(internal) train these runs <run>/lr<lr>_s<seed> (
 
 # The pipeline's steps under the names notebooks/02_ablation.ipynb calls them by.
 expand, label_text = sweep.expand, report.label_text
-read_summary, collect, write_tables = report.read_summary, report.collect, report.write_tables
+read_summary, collect, write_tables = sweep.read_summary, report.collect, report.write_tables
 plot = plots.plot
 
 
@@ -173,7 +173,7 @@ def train_pending(jobs: list[sweep.Job]) -> tuple[list[str], bool]:
   """Trains the jobs of --only (all by default) that have not finished; returns the
   failed job ids and whether training was interrupted (Ctrl-C)."""
   todo = [j for j in jobs if not FLAGS.only or j.run in FLAGS.only]
-  pending = [j for j in todo if report.read_summary(j) is None]
+  pending = [j for j in todo if sweep.read_summary(j) is None]
   if len(pending) < len(todo):
     print(f"{len(todo) - len(pending)} of {len(todo)} runs already finished: skipped",
           flush=True)

@@ -114,7 +114,7 @@ def seed_converted(cfg, jobs: list[sweep.Job], job: sweep.Job) -> list[str]:
   unfinished, unreadable or does not convert."""
   source = source_of(cfg, jobs, job)
   where = f"{sweep.job_id(job)}: source {source.dir}"
-  if report.read_summary(source) is None:
+  if sweep.read_summary(source) is None:
     raise ConversionError(f"{where} has not finished (no summary.json): train it first")
   try:
     state, step = load_state(source.config, str(source.dir))
@@ -150,7 +150,7 @@ def provenance(cfg, jobs: list[sweep.Job]) -> None:
 
 
 def pending(jobs: list[sweep.Job]) -> list[sweep.Job]:
-  return [j for j in jobs if report.read_summary(j) is None]
+  return [j for j in jobs if sweep.read_summary(j) is None]
 
 
 def train(jobs: list[sweep.Job], stack: bool) -> list[str]:
@@ -166,7 +166,7 @@ def convert_pending(cfg, jobs: list[sweep.Job], selected: list[sweep.Job]) -> No
   """Stage 2: seeds every selected converted job that has no checkpoint yet."""
   for job in selected:
     run = next(r for r in cfg.runs if r["name"] == job.run)
-    if not run.get("init") or report.read_summary(job) is not None:
+    if not run.get("init") or sweep.read_summary(job) is not None:
       continue
     if (job.dir / "checkpoints").is_dir() and any((job.dir / "checkpoints").iterdir()):
       continue  # seeded (or part trained) already: resume

@@ -90,7 +90,7 @@ def train_in_parallel(groups: list[list[sweep.Job]], workers: int) -> list[str]:
   def on_exit(group: list[sweep.Job], returncode: int, seconds: float) -> None:
     for job in group:
       ended.append(sweep.job_id(job))
-      summary = report.read_summary(job)
+      summary = sweep.read_summary(job)
       if returncode == 0 and summary is not None:
         ev = summary.get("eval") or {}
         result = ", ".join(f"{k}={ev[k]:.4f}" for k in ("loss", "accuracy") if k in ev)

@@ -18,21 +18,14 @@ import csv
 import json
 import math
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from experiments.sweep import Job
+from experiments.sweep import read_summary
 from sse_jax.train import config as config_lib
 from sse_jax.train import logs
-
-if TYPE_CHECKING:
-  from experiments.sweep import Job
-
-
-def read_summary(job: Job) -> dict[str, Any] | None:
-  """The job's summary.json (written when its training finished), or None."""
-  path = job.dir / "summary.json"
-  return json.loads(path.read_text()) if path.exists() else None
 
 
 def read_partial(job: Job) -> dict[str, Any] | None:

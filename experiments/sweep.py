@@ -17,13 +17,13 @@ and a change to `data` also reaches `eval_data` when the file derives one from t
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Any
 
 from absl import app
 import ml_collections
 
-from experiments import report
 from sse_jax.train import config as config_lib
 
 
@@ -37,6 +37,12 @@ class Job:
   seed: int
   dir: pathlib.Path
   config: ml_collections.ConfigDict
+
+
+def read_summary(job: Job) -> dict[str, Any] | None:
+  """The job's summary.json (written when its training finished), or None."""
+  path = job.dir / "summary.json"
+  return json.loads(path.read_text()) if path.exists() else None
 
 
 def set_path(cfg: ml_collections.ConfigDict, path: str, value: Any) -> None:
@@ -181,7 +187,7 @@ def check_finished_runs(jobs: list[Job]) -> None:
   data, batch size, ...; `sse_jax.train.config.fingerprint`)."""
   stale = []
   for job in jobs:
-    summary = report.read_summary(job)
+    summary = read_summary(job)
     if summary is None:
       continue
     if summary.get("step") != job.config.num_steps:

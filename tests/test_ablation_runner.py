@@ -52,7 +52,7 @@ def test_parallel_sweep_trains_every_run_and_reports(tmp_path):
   jobs = [j for j in sweep.expand(cfg, tmp_path / cfg.name) if j.run != "mom"]
   assert len(jobs) == 2
   for job in jobs:  # each child trained its run to the end and logged to train.log
-    summary = report.read_summary(job)
+    summary = sweep.read_summary(job)
     assert summary is not None and summary["step"] == 2, job.dir
     assert (job.dir / "train.log").exists()
   results = json.loads((tmp_path / cfg.name / "results.json").read_text())
@@ -83,11 +83,11 @@ def test_stacked_sweep_trains_each_runs_lrs_and_seeds_in_one_process(tmp_path):
   for group in trained:  # one child per run, its log in the first job's directory
     assert (group[0].dir / "train.log").exists()
     assert not any((j.dir / "train.log").exists() for j in group[1:])
-    summaries = [report.read_summary(j) for j in group]
+    summaries = [sweep.read_summary(j) for j in group]
     assert all(s is not None and s["step"] == 2 for s in summaries), group[0].dir
     losses = {s["eval"]["loss"] for s in summaries}
     assert len(losses) == 4  # four different runs, not one run copied
-  assert all(report.read_summary(j) is None for g in groups if g[0].run == "mom" for j in g)
+  assert all(sweep.read_summary(j) is None for g in groups if g[0].run == "mom" for j in g)
   results = json.loads((tmp_path / cfg.name / "results.json").read_text())
   assert "--stack" in results["command"]
   rows = {r["run"]: r for r in results["rows"]}
