@@ -32,14 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from sse_jax.model import presets
+from sse_jax.ops import impl as impl_lib
 from sse_jax.train import metrics as metrics_lib
 from sse_jax.train import state as state_lib
 from sse_jax.train import steps
 
 FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The implementations `impl="auto"` picks on a GPU that runs the kernels, per op.
-KERNEL_IMPLS = dict(sse="pallas_varlen", gla="pallas_chunk", gdn="pallas_chunk")
 
 
 def define_flags() -> None:
@@ -54,8 +53,9 @@ def define_flags() -> None:
 def residuals(variant: str, size: str, length: int, kernels: bool) -> list[dict]:
   """[{"shape", "dtype", "bytes", "source"}] of every non-argument residual of the
   loss's gradient for one sequence of `length` tokens."""
-  impls = KERNEL_IMPLS if kernels else dict(sse="auto", gla="auto", gdn="auto")
-  config = presets.preset(size, variant, **{op: dict(impl=i) for op, i in impls.items()})
+  # What impl="auto" picks with (or, on any backend, without) the Pallas kernels.
+  config = presets.preset(size, variant, **{
+      op: dict(impl=impl_lib.auto_choice(op, kernels).value) for op in ("sse", "gla", "gdn")})
   model = state_lib.new_model(config, 0, jnp.bfloat16, jnp.float32)
   graphdef, params = state_lib.split_model(model)
   tokens = np.ones((1, length), np.int32)

@@ -158,6 +158,11 @@ def resolve_auto(impl: Impl, op: str, head_dims: tuple[int, int] | None = None,
   pallas = pallas_gpu()
   if pallas and head_dims is not None:
     pallas = kernels_for(op).shape_error(chunk_size, *head_dims) is None
+  return auto_choice(op, pallas)
+
+
+def auto_choice(op: str, pallas: bool) -> Impl:
+  """What AUTO picks for `op` where the Pallas kernels run (`pallas`) or do not."""
   if op in ("gla", "gdn"):
     return Impl.PALLAS_CHUNK if pallas else Impl.CHUNK
   return Impl.PALLAS_VARLEN if pallas else Impl.VARLEN
