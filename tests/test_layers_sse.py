@@ -288,3 +288,21 @@ def test_load_balance_loss_by_hand():
   aux2, f2 = router.load_balance(probs, idx2, 3)
   np.testing.assert_allclose(f2, [0.5, 1.0, 0.5])
   np.testing.assert_allclose(aux2, 1.5 * (0.5 * 0.4 + 1.0 * 0.25 + 0.5 * 0.35), rtol=1e-6)
+
+
+def test_top_k_weights_and_their_gradient_are_the_probabilities_picked():
+  """top_k's weights are the selected probabilities, bit for bit, and their gradient
+  lands on exactly those entries (it sums one-hot terms rather than gathering, so the
+  backward pass needs no scatter); ties keep the lower index first."""
+  from sse_jax.layers import router  # pylint: disable=g-import-not-at-top
+  probs = jax.nn.softmax(jax.random.normal(jax.random.key(3), (2, 9, 5)), axis=-1)
+  probs = probs.at[0, 0].set(jnp.asarray([0.3, 0.3, 0.2, 0.1, 0.1]))  # a tie
+  for k in (1, 2, 5):
+    w, idx = router.top_k(probs, k)
+    np.testing.assert_array_equal(idx, jax.lax.top_k(probs, k)[1])
+    np.testing.assert_array_equal(w, np.take_along_axis(np.asarray(probs), idx, -1))
+    coef = jnp.arange(1.0, k + 1)
+    grad = jax.grad(lambda p: jnp.sum(router.top_k(p, k)[0] * coef))(probs)
+    expected = np.zeros(probs.shape, np.float32)
+    np.put_along_axis(expected, np.asarray(idx), np.broadcast_to(coef, idx.shape), -1)
+    np.testing.assert_array_equal(grad, expected)
