@@ -210,7 +210,8 @@ def plot(points: list[dict], path: pathlib.Path, top: int = 8) -> None:
                    for table in tables])
     ax.bar(range(len(points)), ms, bottom=bottom, label=name)
     bottom += ms
-  ax.set_xticks(range(len(points)), [f"{p['variant']}\nT={p['length']}" for p in points])
+  short = lambda t: f"{t // 1024}K" if t % 1024 == 0 else str(t)
+  ax.set_xticks(range(len(points)), [f"{p['variant']}\nT={short(p['length'])}" for p in points])
   ax.set_ylabel("device ms per training step")
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
   fig.tight_layout()

@@ -12,7 +12,8 @@ tokens per step (batch = tokens / T, rounded up to a multiple of the devices), e
 with its fastest implementation (`impl="auto"`: Pallas kernels on GPU; attention
 through cuDNN when available). The batches are random tokens. Reports tokens/s
 (median step time after warm-up) and the first device's peak memory. Writes
-<out>/throughput.json, .md and .png.
+<out>/throughput.json, .md and .png. `--from_json=A.json,B.json` writes them again from
+earlier runs' JSON, their rows merged in order (runs split across device sessions).
 
 Each point runs in a child process of its own (the device's peak-memory statistic
 never decreases within a process). With --workers=W, W of them build and compile the
@@ -67,6 +68,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
   flags.DEFINE_integer("workers", 1, "Points compiled at once in child processes.")
   flags.DEFINE_string("lock", "", "(internal) hold this file locked while timing.")
+  flags.DEFINE_list("from_json", [], "Only write throughput.json / .md / .png into --out "
+                    "from these runs' throughput.json files (rows merged in order).")
 
 
 def create_kwargs(model: ModelConfig) -> dict:
@@ -180,6 +183,10 @@ def main(argv):
   del argv
   out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
+  if FLAGS.from_json:
+    meta, rows = merge_runs([pathlib.Path(f) for f in FLAGS.from_json])
+    write_report(out, meta, rows, figure=True)
+    return
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, size=FLAGS.size,
               tokens_per_step=FLAGS.tokens, impl=FLAGS.impl,
               command=shlex.join(["python", "-m", "experiments.throughput", *sys.argv[1:]]))
@@ -199,6 +206,27 @@ def main(argv):
         row = dict(variant=variant, length=length, error=f"{type(e).__name__}: {e}"[:300])
       rows.append(row)
       print(json.dumps(row), flush=True)
+  write_report(out, meta, rows, figure=not FLAGS.lock)  # a child: the parent draws it
+
+
+def merge_runs(paths: list[pathlib.Path]) -> tuple[dict, list[dict]]:
+  """(meta, rows) of several runs' throughput.json: the rows in order, and the first
+  run's meta with every run's command. Runs on different devices or model settings
+  are refused: their rows do not compare."""
+  runs = [json.loads(p.read_text()) for p in paths]
+  first = runs[0]["meta"]
+  for path, run in zip(paths, runs):
+    for key in ("device", "size", "tokens_per_step", "impl"):
+      if run["meta"].get(key) != first.get(key):
+        raise ValueError(f"{path}: {key}={run['meta'].get(key)!r} differs from "
+                         f"{paths[0]}'s {first.get(key)!r}; only runs of one setting merge")
+  commands = [run["meta"]["command"] for run in runs]
+  meta = dict(first, command=" && ".join(commands))
+  return meta, [row for run in runs for row in run["rows"]]
+
+
+def write_report(out: pathlib.Path, meta: dict, rows: list[dict], figure: bool) -> None:
+  """<out>/throughput.json and .md of `rows`, and with `figure` the .png."""
   (out / "throughput.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
   lines = [f"Command: `{meta['command']}` on {meta['device']}", "",
            "| model | T | batch | tokens/s | step ms | peak GiB | compile s |",
@@ -211,14 +239,15 @@ def main(argv):
                    f" | {r['step_s'] * 1e3:.1f} | {r['peak_gib']:.1f} | {r['compile_s']:.0f} |")
   (out / "throughput.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
-  if FLAGS.lock:  # a child: the parent draws the figure
+  if not figure:
     return
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-  for variant in FLAGS.variants:
-    pts = [r for r in rows if r["variant"] == variant and "error" not in r]
+  for variant in dict.fromkeys(r["variant"] for r in rows):
+    pts = sorted((r for r in rows if r["variant"] == variant and "error" not in r),
+                 key=lambda r: r["length"])
     a1.plot([r["length"] for r in pts], [r["tokens_per_s"] for r in pts], "o-", label=variant)
     a2.plot([r["length"] for r in pts], [r["peak_gib"] for r in pts], "o-", label=variant)
   for a, y in ((a1, "training tokens / s"), (a2, "peak device memory (GiB)")):
@@ -227,7 +256,8 @@ def main(argv):
     a.set_ylabel(y)
     a.grid(alpha=0.3)
     a.legend()
-  fig.suptitle(f"{FLAGS.size} models, {FLAGS.tokens} tokens/step, {meta['device']}")
+  fig.suptitle(f"{meta['size']} models, {meta['tokens_per_step']} tokens/step, "
+               f"{meta['device']}")
   fig.tight_layout()
   fig.savefig(out / "throughput.png", dpi=120)
 
