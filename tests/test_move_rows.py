@@ -52,15 +52,54 @@ class TestMoveRowsGPU:
     inside = (np.asarray(take) >= 0) & (np.asarray(take) < shape[0])
     assert not np.any(np.asarray(got, np.float32)[~inside]), "a padding row is not zero"
 
+  def test_sources_read_as_their_concatenation(self):
+    """A tuple of sources (one empty) copies exactly what their concatenation would."""
+    rng = np.random.default_rng(1)
+    sources = tuple(jnp.asarray(rng.normal(size=(n, 3, 8)), jnp.bfloat16) for n in (21, 0, 40))
+    take = jnp.asarray(rng.permutation(np.arange(-5, 70))[:66], jnp.int32)
+    got = kernel.move_rows(sources, take, block_sizes=kernel.BlockSizes(rows=16, cols=8),
+                           interpret=self.INTERPRET)
+    want = kernel.reference(jnp.concatenate(sources), take)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="source 1"):
+      kernel.move_rows((sources[0], sources[2].astype(jnp.float32)), take,
+                       interpret=self.INTERPRET)
+
+  def _setting(self, segments, sorted_tail=0):
+    """(layout of 4 segments in chunks of 4, buffer rows, slot values x [P, 2, 8], buffer
+    weights w, the kernel as the mover) for slots of segment ids `segments`."""
+    seg = jnp.asarray(segments, jnp.int32)
+    layout = packing.chunk_layout(seg, 4, 4, sorted_tail=sorted_tail)
+    rows = 4 * packing.max_chunks(seg.shape[0], 4, 4)
+    x = jax.random.normal(jax.random.PRNGKey(seg.shape[0]), (seg.shape[0], 2, 8))
+    w = jax.random.normal(jax.random.PRNGKey(1), (rows, 2, 8))
+    return layout, rows, x, w, functools.partial(kernel.move_rows, interpret=self.INTERPRET)
+
+  def test_packing_from_parts_equals_packing_their_concatenation(self):
+    """scatter_rows from parts and gather_rows into parts, with the kernel: the same
+    buffer and slots as from the concatenation, and each part's gradient its share."""
+    layout, rows, x, w, pallas = self._setting([2, 0, 2, 1, 0, 2, 0, 0, 1, 3, 3, 3, 3],
+                                               sorted_tail=4)
+
+    def loss(parts, move):
+      buffer = packing.scatter_rows(parts, layout.rows, rows, move)
+      back = packing.gather_rows(buffer * 2.0, layout.rows, move, sizes=(9, 4))
+      return jnp.sum(buffer * w) + jnp.sum(back[0] ** 2) + 3.0 * jnp.sum(back[1] ** 2), (
+          buffer, back)
+
+    (d9, d4), (buffer, (b9, b4)) = jax.grad(loss, has_aux=True)((x[:9], x[9:]), pallas)
+    np.testing.assert_array_equal(buffer, packing.scatter_rows(x, layout.rows, rows))
+    np.testing.assert_array_equal(b9, 2.0 * x[:9])
+    np.testing.assert_array_equal(b4, 2.0 * x[9:])
+    want = np.asarray(w[layout.rows]) + np.concatenate([8.0 * x[:9], 24.0 * x[9:]])
+    np.testing.assert_allclose(np.concatenate([d9, d4]), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="must sum to the 13 slots"):
+      packing.gather_rows(buffer, layout.rows, pallas, sizes=(9, 5))
+
   def test_packing_round_trip_and_gradients(self):
     """scatter_rows then gather_rows with the kernel as the mover: the identity, and
     the same values and gradients as the XLA mover (both are exact copies)."""
-    seg = jnp.asarray([2, 0, 2, 1, 0, 2, 0, 0, 1, 2, 2], jnp.int32)
-    layout = packing.chunk_layout(seg, 4, 4)
-    rows = 4 * packing.max_chunks(11, 4, 4)
-    x = jax.random.normal(jax.random.PRNGKey(0), (11, 2, 8))
-    w = jax.random.normal(jax.random.PRNGKey(1), (rows, 2, 8))
-    pallas = functools.partial(kernel.move_rows, interpret=self.INTERPRET)
+    layout, rows, x, w, pallas = self._setting([2, 0, 2, 1, 0, 2, 0, 0, 1, 2, 2])
 
     def loss(x, move):
       buffer = packing.scatter_rows(x, layout.rows, rows, move)

@@ -60,15 +60,25 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   presorted, sorted_tail (static): slot_segment is non-decreasing, or is in its last
   sorted_tail slots, which come after all others in segment order
   (`packing.chunk_layout`). move: how slots are copied into the buffer and back.
+  q, k, v and g may each be a tuple of parts (`packing.Parts`, the same part lengths
+  for all four, P in all): the slots are packed from the parts without concatenating
+  them, and o comes back as parts of those lengths.
   Returns o [P, H, Dv] and per-segment final states [Z, H, Dk, Dv] (an empty segment
   keeps its initial state).
   """
-  p = q.shape[0]
+  as_parts = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  q, k, v, g = (as_parts(x) for x in (q, k, v, g))
+  sizes = tuple(x.shape[0] for x in q)
+  for name, x in (("k", k), ("v", v), ("g", g)):
+    if tuple(part.shape[0] for part in x) != sizes:
+      raise ValueError(f"{name}'s parts hold {[part.shape[0] for part in x]} slots, "
+                       f"q's {list(sizes)}: the parts must match")
+  p = sum(sizes)
   z = h0.shape[0]
   # Floored before the packing, so that the backward pass's mask of floored entries
   # is one of the slots, which a checkpoint recomputes from the op's inputs, not one
   # of a packed copy (`impl.keep_kernel_residuals`).
-  g = chunked.floor_log_decay(g)
+  g = tuple(chunked.floor_log_decay(part) for part in g)
   nc = packing.max_chunks(p, z, chunk_size)
   layout = packing.chunk_layout(slot_segment, z, chunk_size, presorted, sorted_tail)
 
@@ -79,7 +89,8 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   o, final = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
                   layout.seg_start, layout.seg_chunks)
   o = o.reshape((nc * chunk_size,) + o.shape[3:])
-  return packing.gather_rows(o, layout.rows, move), final
+  o = packing.gather_rows(o, layout.rows, move, sizes=sizes)
+  return (o[0] if len(sizes) == 1 else o), final
 
 
 def chunked_gla(q, k, v, g, h0, cu_seqlens, chunk_size: int,

@@ -29,11 +29,18 @@ LAYOUT_NAME = "packing_layout"
 # (x [P, ...], take int32 [R]) -> y [R, ...], y[i] = x[take[i]] for 0 <= take[i] < P and
 # zeros elsewhere: how rows are copied (`take_rows` in XLA; the Pallas ops pass
 # `pallas_kernels.move_rows.move_rows`, which copies whole tiles instead of elements).
-RowMover = Callable[[jax.Array, jax.Array], jax.Array]
+# x may be a tuple of sources, indexed as their concatenation along axis 0.
+RowMover = Callable[[jax.Array | tuple[jax.Array, ...], jax.Array], jax.Array]
+
+# Slot values given as parts: one array, or a tuple of arrays [P_1, ...], [P_2, ...], ...
+# that stand for their concatenation along the slot axis without being concatenated.
+Parts = jax.Array | tuple[jax.Array, ...]
 
 
-def take_rows(x: jax.Array, take: jax.Array) -> jax.Array:
+def take_rows(x: Parts, take: jax.Array) -> jax.Array:
   """The XLA row mover (`RowMover`): a gather that fills out-of-range rows with 0."""
+  if isinstance(x, (tuple, list)):
+    x = jnp.concatenate(x, axis=0)  # XLA fuses it into the gather's operand
   if x.shape[0] == 0:  # no slots (e.g. T = 0): nothing to take, all rows are padding
     return jnp.zeros(take.shape + x.shape[1:], x.dtype)
   return jnp.take(x, take, axis=0, mode="fill", fill_value=0)
@@ -89,17 +96,42 @@ def chunk_layout(slot_segment: jax.Array, num_segments: int, chunk_size: int,
                        for x in (rows, seg_start, seg_chunks, seg_len)))
 
 
-def scatter_rows(x: jax.Array, rows: jax.Array, num_rows: int,
+def scatter_rows(x: Parts, rows: jax.Array, num_rows: int,
                  move: RowMover = take_rows) -> jax.Array:
   """Places slot values x [P, ...] at buffer rows [P] (distinct); other rows are zero.
+  x may be a tuple of parts (`Parts`), the slots in order across them: the buffer is
+  filled from the parts directly, and their gradients come back as a tuple.
   move (static): the `RowMover` that copies them (and their cotangents back)."""
-  return _move_rows(x, _slot_of_row(rows, num_rows), rows, move)
+  parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  return _pack(parts, _slot_of_row(rows, num_rows), _split(rows, parts), move)
 
 
-def gather_rows(buffer: jax.Array, rows: jax.Array,
-                move: RowMover = take_rows) -> jax.Array:
-  """buffer[rows] [P, ...] for distinct rows: the inverse of `scatter_rows`."""
-  return _move_rows(buffer, rows, _slot_of_row(rows, buffer.shape[0]), move)
+def gather_rows(buffer: jax.Array, rows: jax.Array, move: RowMover = take_rows,
+                sizes: tuple[int, ...] | None = None) -> Parts:
+  """buffer[rows] [P, ...] for distinct rows: the inverse of `scatter_rows`. sizes
+  (static): return the slots as a tuple of parts of these lengths (summing to P)
+  instead, each copied out of the buffer directly."""
+  p = rows.shape[0]
+  if sizes is not None and sum(sizes) != p:
+    raise ValueError(f"sizes={sizes} must sum to the {p} slots of rows")
+  counts = (p,) if sizes is None else tuple(sizes)
+  takes, starts = [], 0
+  for n in counts:
+    takes.append(rows[starts:starts + n])
+    starts += n
+  out = _unpack(buffer, tuple(takes), _slot_of_row(rows, buffer.shape[0]), move)
+  return out[0] if sizes is None else out
+
+
+def _split(rows: jax.Array, parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """rows [P] cut into the slots of each part (int32 slices: cheap beside the values)."""
+  out, start = [], 0
+  for x in parts:
+    out.append(rows[start:start + x.shape[0]])
+    start += x.shape[0]
+  if start != rows.shape[0]:
+    raise ValueError(f"the parts hold {start} slots but rows has {rows.shape[0]}")
+  return tuple(out)
 
 
 def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
@@ -109,26 +141,46 @@ def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
   return checkpoint_name(slots, LAYOUT_NAME)
 
 
+# Packing and unpacking are each other's transpose: both are row copies by `move`, so
+# neither backward pass is XLA's transpose of a gather (a scatter-add, atomics on GPU).
+# Being custom_vjps they support reverse mode only (no `jax.jvp` through the packed
+# paths, as for the Pallas kernels).
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _move_rows(x, take, inverse, move):
-  """y[i] = x[take[i]] by `move`, zero where take[i] is out of range (a padding row).
-
-  `take` hits each row of x at most once and inverse[j] is the i with take[i] == j (out
-  of range if none), so the transpose is again a gather, dx = dy[inverse], instead of
-  XLA's transpose of a gather, a scatter-add (atomics on GPU). Being a custom_vjp, it
-  supports reverse mode only (no `jax.jvp` through the packed paths, as for the Pallas
-  kernels).
-  """
-  return move(x, take)
+def _pack(parts, take, inverse, move):
+  """y[i] = concat(parts)[take[i]] by `move`, zero where take[i] is out of range (a
+  padding row). take hits each slot at most once; inverse[j] [P_j] holds, for each slot
+  of part j, the row i with take[i] equal to it."""
+  return move(parts[0] if len(parts) == 1 else parts, take)
 
 
-def _move_rows_fwd(x, take, inverse, move):
-  return _move_rows(x, take, inverse, move), (take, inverse)
+def _pack_fwd(parts, take, inverse, move):
+  return _pack(parts, take, inverse, move), (take, inverse)
 
 
-def _move_rows_bwd(move, res, dy):
+def _pack_bwd(move, res, dy):
   take, inverse = res
-  return _move_rows(dy, inverse, take, move), None, None
+  return _unpack(dy, inverse, take, move), None, None
 
 
-_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+_pack.defvjp(_pack_fwd, _pack_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _unpack(buffer, takes, inverse, move):
+  """parts[j] = buffer[takes[j]] by `move`, a tuple; inverse [R]: for each buffer row
+  the slot (in the parts' concatenation) placed there, out of range for none."""
+  return tuple(move(buffer, take) for take in takes)
+
+
+def _unpack_fwd(buffer, takes, inverse, move):
+  return _unpack(buffer, takes, inverse, move), (takes, inverse)
+
+
+def _unpack_bwd(move, res, dparts):
+  takes, inverse = res
+  return _pack(tuple(dparts), inverse, takes, move), None, None
+
+
+_unpack.defvjp(_unpack_fwd, _unpack_bwd)

@@ -93,20 +93,21 @@ def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, m
   h0_table = h0.reshape((nseq * n,) + h0.shape[2:])
   flat = lambda x: x.reshape((b * t,) + x.shape[2:])
   if shared is not None:
+    # The shared slots are a second part of the packed op's inputs rather than
+    # concatenated after the routed ones: the packing reads both parts directly.
     seg = jnp.concatenate([seg, nseq * n + seq])
-    q_s, k_s, g_s, v_s = (jnp.concatenate([x, flat(s)])
-                          for x, s in zip((q_s, k_s, g_s, v_s), shared))
+    q_s, k_s, g_s, v_s = ((x, flat(s)) for x, s in zip((q_s, k_s, g_s, v_s), shared))
     h0_table = jnp.concatenate([h0_table, h0_shared])
   # The shared partition's slots (segment ids nseq * N + sequence, after every routed
   # id, in time order) are already in segment order: only the routed ones are sorted.
   o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core,
                                        sorted_tail=0 if shared is None else b * t,
                                        move=move)
-  routed = b * t * per_token
-  o = o_s[:routed].reshape(b * t, per_token, h, -1).sum(axis=1)
+  o_routed = o_s if shared is None else o_s[0]
+  o = o_routed.reshape(b * t, per_token, h, -1).sum(axis=1)
   final = finals[:nseq * n].reshape(h0.shape)
   final0 = None
   if shared is not None:
-    o = o + o_s[routed:]
+    o = o + o_s[1]
     final0 = finals[nseq * n:]
   return o.reshape(b, t, h, -1), final, final0
