@@ -265,22 +265,30 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
   """`chunk_gdn` (or another chunk core) over slots grouped into segments (see
   `packing`).
 
-  rows: (q, k, v, g, beta), each [P, ...] (P slots, in time order within each segment);
-  slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted, sorted_tail as in
-  `packing.chunk_layout`; move: the row mover. Padding rows are zero: identities. Returns o [P, H, Dv] and the
-  final state of every segment [Z, H, Dk, Dv].
+  rows: (q, k, v, g, beta), each [P, ...] (P slots, in time order within each segment),
+  or each a tuple of parts (`packing.Parts`, the same part lengths for all five), packed
+  without concatenating them; slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted,
+  sorted_tail as in `packing.chunk_layout`; move: the row mover. Padding rows are zero:
+  identities. Returns o [P, H, Dv] (parts of the same lengths for parts) and the final
+  state of every segment [Z, H, Dk, Dv].
   """
+  as_parts = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  q, k, v, g, beta = (as_parts(x) for x in rows)
+  sizes = tuple(x.shape[0] for x in q)
+  if any(tuple(part.shape[0] for part in x) != sizes for x in (k, v, g, beta)):
+    raise ValueError(f"the parts of q, k, v, g and beta must hold the same slots; q's hold "
+                     f"{list(sizes)}")
   # g floored before the packing, as in `gla.packed_chunked` (and why).
-  q, k, v, g, beta = rows
-  rows = (q, k, v, chunked.floor_log_decay(g), beta)
+  rows = (q, k, v, tuple(chunked.floor_log_decay(x) for x in g), beta)
   num_chunks = packing.max_chunks(slot_segment.shape[0], h0.shape[0], chunk_size)
   layout = packing.chunk_layout(slot_segment, h0.shape[0], chunk_size, presorted,
                                 sorted_tail)
   buffers = [packing.scatter_rows(x, layout.rows, num_chunks * chunk_size, move).reshape(
-      (1, num_chunks, chunk_size) + x.shape[1:]) for x in rows]
+      (1, num_chunks, chunk_size) + x[0].shape[1:]) for x in rows]
   o, final = core(*buffers, h0, layout.seg_start, layout.seg_chunks)
   o = o.reshape((num_chunks * chunk_size,) + o.shape[3:])
-  return packing.gather_rows(o, layout.rows, move), final
+  o = packing.gather_rows(o, layout.rows, move, sizes=sizes)
+  return (o[0] if len(sizes) == 1 else o), final
 
 
 def chunked_gdn(q, k, v, g, beta, h0, cu_seqlens, chunk_size: int, core=chunk_gdn,

@@ -150,17 +150,18 @@ def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seq
   if shared is not None:  # segment nseq * N + sequence, after every routed one
     flat = lambda x: x.reshape((b * t,) + x.shape[2:])
     shared = shared[:2] + (v,) + shared[2:]
-    slots = [jnp.concatenate([x, flat(s)]) for x, s in zip(slots, shared)]
+    # A second part of the packed op's inputs, not concatenated (`packing.Parts`).
+    slots = [(x, flat(s)) for x, s in zip(slots, shared)]
     seg = jnp.concatenate([seg, nseq * n + seq])
     h0_table = jnp.concatenate([h0_table, h0_shared])
   o_s, finals = packed_chunk_gdn(slots, seg, h0_table, chunk_size,
                                  sorted_tail=0 if shared is None else b * t, core=core,
                                  move=move)
-  routed = b * t * per_token
-  o = o_s[:routed].reshape((b * t, per_token) + o_s.shape[1:]).sum(axis=1)
+  o_routed = o_s if shared is None else o_s[0]
+  o = o_routed.reshape((b * t, per_token) + o_routed.shape[1:]).sum(axis=1)
   final, final0 = finals[:nseq * n].reshape(h0.shape), None
   if shared is not None:
-    o, final0 = o + o_s[routed:], finals[nseq * n:]
+    o, final0 = o + o_s[1], finals[nseq * n:]
   return o.reshape((b, t) + o.shape[1:]), final, final0
 
 
