@@ -284,3 +284,15 @@ def test_out_of_range_ids_under_jit_are_ignored_alike(impl):
   (o_ref, f_ref), (o, f) = run("scan"), run(impl)
   assert_close(o, o_ref, 1e-5, "o")
   assert_close(f, f_ref, 1e-5, "final_state")
+  # With the shared partition, gradients too: the ignored selections get none.
+  probe = jax.random.normal(jax.random.PRNGKey(5), o.shape)
+
+  def loss(impl, q, k, v, g, w, idx):  # idx traced: the checks cannot see its values
+    o, _ = ops.sse(q, k, v, g, w, idx, num_partitions=n, impl=impl, chunk_size=16,
+                   shared=(k, q, g))
+    return jnp.sum(o * probe)
+
+  grads = lambda impl: jax.jit(jax.grad(functools.partial(loss, impl),
+                                        argnums=(0, 1, 2, 3, 4)))(*x, w, idx)
+  for name, got, want in zip("q k v g w".split(), grads(impl), grads("scan")):
+    assert_close(got, want, 1e-4, f"d{name}")

@@ -261,15 +261,17 @@ def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks):
 
 def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = False,
                      sorted_tail: int = 0, core=chunk_gdn,
-                     move: packing.RowMover = packing.take_rows):
+                     move: packing.RowMover = packing.take_rows,
+                     valid: jax.Array | None = None):
   """`chunk_gdn` (or another chunk core) over slots grouped into segments (see
   `packing`).
 
   rows: (q, k, v, g, beta), each [P, ...] (P slots, in time order within each segment),
   or each a tuple of parts (`packing.Parts`, the same part lengths for all five), packed
   without concatenating them; slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted,
-  sorted_tail as in `packing.chunk_layout`; move: the row mover. Padding rows are zero:
-  identities. Returns o [P, H, Dv] (parts of the same lengths for parts) and the final
+  sorted_tail as in `packing.chunk_layout`; move: the row mover; valid: None or bool
+  [P], slots that are not valid become zero rows, as in `gla.packed_chunked`. Padding
+  rows are zero: identities. Returns o [P, H, Dv] (parts of the same lengths for parts) and the final
   state of every segment [Z, H, Dk, Dv].
   """
   as_parts = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -283,11 +285,12 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
   num_chunks = packing.max_chunks(slot_segment.shape[0], h0.shape[0], chunk_size)
   layout = packing.chunk_layout(slot_segment, h0.shape[0], chunk_size, presorted,
                                 sorted_tail)
-  buffers = [packing.scatter_rows(x, layout.rows, num_chunks * chunk_size, move).reshape(
+  places = packing.drop_invalid(layout.rows, valid, num_chunks * chunk_size)
+  buffers = [packing.scatter_rows(x, places, num_chunks * chunk_size, move).reshape(
       (1, num_chunks, chunk_size) + x[0].shape[1:]) for x in rows]
   o, final = core(*buffers, h0, layout.seg_start, layout.seg_chunks)
   o = o.reshape((num_chunks * chunk_size,) + o.shape[3:])
-  o = packing.gather_rows(o, layout.rows, move, sizes=sizes)
+  o = packing.gather_rows(o, places, move, sizes=sizes)
   return (o[0] if len(sizes) == 1 else o), final
 
 

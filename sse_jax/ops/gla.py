@@ -52,7 +52,8 @@ def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chu
 
 def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
                    core: ChunkCore = chunked.chunk_gla, presorted: bool = False,
-                   sorted_tail: int = 0, move: packing.RowMover = packing.take_rows):
+                   sorted_tail: int = 0, move: packing.RowMover = packing.take_rows,
+                   valid: jax.Array | None = None):
   """Chunked GLA over slots grouped into segments (see `packing`).
 
   q, k, g: [P, H, Dk]; v: [P, H, Dv], in time order within each segment;
@@ -62,7 +63,9 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   (`packing.chunk_layout`). move: how slots are copied into the buffer and back.
   q, k, v and g may each be a tuple of parts (`packing.Parts`, the same part lengths
   for all four, P in all): the slots are packed from the parts without concatenating
-  them, and o comes back as parts of those lengths.
+  them, and o comes back as parts of those lengths. valid: None or bool [P]; a slot
+  that is not valid keeps its place in its segment but as a zero row (an identity: no
+  write, no decay, no read), with zero output and zero gradients.
   Returns o [P, H, Dv] and per-segment final states [Z, H, Dk, Dv] (an empty segment
   keeps its initial state).
   """
@@ -81,15 +84,16 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   g = tuple(chunked.floor_log_decay(part) for part in g)
   nc = packing.max_chunks(p, z, chunk_size)
   layout = packing.chunk_layout(slot_segment, z, chunk_size, presorted, sorted_tail)
+  rows = packing.drop_invalid(layout.rows, valid, nc * chunk_size)
 
   def to_buffer(x):
-    x = packing.scatter_rows(x, layout.rows, nc * chunk_size, move)
+    x = packing.scatter_rows(x, rows, nc * chunk_size, move)
     return x.reshape((1, nc, chunk_size) + x.shape[1:])
 
   o, final = core(to_buffer(q), to_buffer(k), to_buffer(v), to_buffer(g), h0,
                   layout.seg_start, layout.seg_chunks)
   o = o.reshape((nc * chunk_size,) + o.shape[3:])
-  o = packing.gather_rows(o, layout.rows, move, sizes=sizes)
+  o = packing.gather_rows(o, rows, move, sizes=sizes)
   return (o[0] if len(sizes) == 1 else o), final
 
 

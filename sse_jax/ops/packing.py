@@ -96,9 +96,21 @@ def chunk_layout(slot_segment: jax.Array, num_segments: int, chunk_size: int,
                        for x in (rows, seg_start, seg_chunks, seg_len)))
 
 
+def drop_invalid(rows: jax.Array, valid: jax.Array | None, num_rows: int) -> jax.Array:
+  """rows [P] with the slots where valid [P] is False sent out of the buffer (row
+  num_rows): `scatter_rows` then leaves their rows zero (the slot keeps its place in
+  its segment, as an identity row), `gather_rows` gives them zeros, and their gradients
+  are zero. valid None: rows unchanged. Cheaper than zeroing the slots' values, which
+  would copy every slot once more."""
+  if valid is None:
+    return rows
+  return jnp.where(valid, rows, num_rows)
+
+
 def scatter_rows(x: Parts, rows: jax.Array, num_rows: int,
                  move: RowMover = take_rows) -> jax.Array:
-  """Places slot values x [P, ...] at buffer rows [P] (distinct); other rows are zero.
+  """Places slot values x [P, ...] at buffer rows [P] (distinct; a row out of [0,
+  num_rows) drops its slot); other rows are zero.
   x may be a tuple of parts (`Parts`), the slots in order across them: the buffer is
   filled from the parts directly, and their gradients come back as a tuple.
   move (static): the `RowMover` that copies them (and their cotangents back)."""
@@ -137,7 +149,8 @@ def _split(rows: jax.Array, parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ..
 def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
   """int32 [num_rows]: the slot placed at each buffer row, or P for a padding row."""
   p = rows.shape[0]
-  slots = jnp.full((num_rows,), p, jnp.int32).at[rows].set(jnp.arange(p, dtype=jnp.int32))
+  slots = jnp.full((num_rows,), p, jnp.int32).at[rows].set(
+      jnp.arange(p, dtype=jnp.int32), mode="drop")  # rows out of range: dropped slots
   return checkpoint_name(slots, LAYOUT_NAME)
 
 

@@ -136,18 +136,17 @@ def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seq
   nseq = h0.shape[0]
   *slots, part = _routed_slots(q, k, v, g, beta, routing)
   # An id out of [0, N) (possible only under jit, against the contract) would land in
-  # another segment: its slot becomes an identity row of partition 0 instead (ignored,
-  # as the scan and masking paths ignore it).
+  # another segment: its slot becomes a zero (identity) row of partition 0 instead
+  # (ignored, as the scan and masking paths ignore it), zeroed by the packing (`valid`).
   valid = (part >= 0) & (part < n)
-  keep = lambda x: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x,
-                             jnp.zeros((), x.dtype))
-  slots = [keep(x) if i in (0, 3, 4) else x for i, x in enumerate(slots)]  # q, g, beta
   per_token = part.shape[1]
   # Slots are token-major: a stable sort by segment keeps time order in each segment.
   seg = (seq[:, None] * n + jnp.where(valid, part, 0)).reshape(-1)
   slots = [x.reshape((-1,) + x.shape[2:]) for x in slots]
   h0_table = h0.reshape((nseq * n,) + h0.shape[2:])
+  valid = valid.reshape(-1)
   if shared is not None:  # segment nseq * N + sequence, after every routed one
+    valid = jnp.concatenate([valid, jnp.ones(seq.shape, bool)])
     flat = lambda x: x.reshape((b * t,) + x.shape[2:])
     shared = shared[:2] + (v,) + shared[2:]
     # A second part of the packed op's inputs, not concatenated (`packing.Parts`).
@@ -156,7 +155,7 @@ def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seq
     h0_table = jnp.concatenate([h0_table, h0_shared])
   o_s, finals = packed_chunk_gdn(slots, seg, h0_table, chunk_size,
                                  sorted_tail=0 if shared is None else b * t, core=core,
-                                 move=move)
+                                 move=move, valid=valid)
   o_routed = o_s if shared is None else o_s[0]
   o = o_routed.reshape((b * t, per_token) + o_routed.shape[1:]).sum(axis=1)
   final, final0 = finals[:nseq * n].reshape(h0.shape), None

@@ -80,11 +80,11 @@ def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, m
   nseq = h0.shape[0]
   q_s, k_s, v_s, g_s, part = routing_lib.routed_slots(q, k, v, g, routing)
   # An id out of [0, N) (possible only under jit, against the contract) would land in
-  # another (sequence, partition) segment: make its slot an identity row of partition
-  # 0 instead, so that it is ignored as the masking and scan paths ignore it.
+  # another (sequence, partition) segment: its slot becomes a zero (identity) row of
+  # partition 0 instead, ignored as the masking and scan paths ignore it. The packing
+  # zeroes it (`valid`), rather than a select over every slot's values here.
   valid = (part >= 0) & (part < n)
-  keep = lambda x: jnp.where(valid[..., None, None], x, jnp.zeros((), x.dtype))
-  q_s, k_s, g_s, part = keep(q_s), keep(k_s), keep(g_s), jnp.where(valid, part, 0)
+  part = jnp.where(valid, part, 0)
   per_token = part.shape[1]
   # Slots are token-major, so a stable sort by segment keeps time order inside each
   # (sequence, partition) segment.
@@ -92,9 +92,11 @@ def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, m
   q_s, k_s, v_s, g_s = (x.reshape((-1,) + x.shape[2:]) for x in (q_s, k_s, v_s, g_s))
   h0_table = h0.reshape((nseq * n,) + h0.shape[2:])
   flat = lambda x: x.reshape((b * t,) + x.shape[2:])
+  valid = valid.reshape(-1)
   if shared is not None:
     # The shared slots are a second part of the packed op's inputs rather than
     # concatenated after the routed ones: the packing reads both parts directly.
+    valid = jnp.concatenate([valid, jnp.ones(seq.shape, bool)])
     seg = jnp.concatenate([seg, nseq * n + seq])
     q_s, k_s, g_s, v_s = ((x, flat(s)) for x, s in zip((q_s, k_s, g_s, v_s), shared))
     h0_table = jnp.concatenate([h0_table, h0_shared])
@@ -102,7 +104,7 @@ def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, m
   # id, in time order) are already in segment order: only the routed ones are sorted.
   o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core,
                                        sorted_tail=0 if shared is None else b * t,
-                                       move=move)
+                                       move=move, valid=valid)
   o_routed = o_s if shared is None else o_s[0]
   o = o_routed.reshape(b * t, per_token, h, -1).sum(axis=1)
   final = finals[:nseq * n].reshape(h0.shape)
