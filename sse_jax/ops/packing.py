@@ -115,7 +115,8 @@ def scatter_rows(x: Parts, rows: jax.Array, num_rows: int,
   filled from the parts directly, and their gradients come back as a tuple.
   move (static): the `RowMover` that copies them (and their cotangents back)."""
   parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-  return _pack(parts, _slot_of_row(rows, num_rows), _split(rows, parts), move)
+  inverse = _split(rows, tuple(part.shape[0] for part in parts))
+  return _pack(parts, _slot_of_row(rows, num_rows), inverse, move)
 
 
 def gather_rows(buffer: jax.Array, rows: jax.Array, move: RowMover = take_rows,
@@ -123,26 +124,19 @@ def gather_rows(buffer: jax.Array, rows: jax.Array, move: RowMover = take_rows,
   """buffer[rows] [P, ...] for distinct rows: the inverse of `scatter_rows`. sizes
   (static): return the slots as a tuple of parts of these lengths (summing to P)
   instead, each copied out of the buffer directly."""
-  p = rows.shape[0]
-  if sizes is not None and sum(sizes) != p:
-    raise ValueError(f"sizes={sizes} must sum to the {p} slots of rows")
-  counts = (p,) if sizes is None else tuple(sizes)
-  takes, starts = [], 0
-  for n in counts:
-    takes.append(rows[starts:starts + n])
-    starts += n
-  out = _unpack(buffer, tuple(takes), _slot_of_row(rows, buffer.shape[0]), move)
+  takes = _split(rows, (rows.shape[0],) if sizes is None else tuple(sizes))
+  out = _unpack(buffer, takes, _slot_of_row(rows, buffer.shape[0]), move)
   return out[0] if sizes is None else out
 
 
-def _split(rows: jax.Array, parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-  """rows [P] cut into the slots of each part (int32 slices: cheap beside the values)."""
+def _split(rows: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  """rows [P] cut into parts of `sizes` slots (int32 slices: cheap beside the values)."""
+  if sum(sizes) != rows.shape[0]:
+    raise ValueError(f"sizes={sizes} must sum to the {rows.shape[0]} slots of rows")
   out, start = [], 0
-  for x in parts:
-    out.append(rows[start:start + x.shape[0]])
-    start += x.shape[0]
-  if start != rows.shape[0]:
-    raise ValueError(f"the parts hold {start} slots but rows has {rows.shape[0]}")
+  for n in sizes:
+    out.append(rows[start:start + n])
+    start += n
   return tuple(out)
 
 
