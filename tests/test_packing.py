@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sse_jax.ops import packing
 
@@ -95,3 +98,33 @@ def test_packed_gla_with_no_tokens_keeps_the_initial_state():
   np.testing.assert_array_equal(final, h0)
   grad = jax.grad(lambda h: jnp.sum(run(h)[1]))(h0)
   np.testing.assert_array_equal(grad, np.ones_like(h0))
+
+
+def test_packed_ops_take_parts_and_refuse_parts_that_do_not_match():
+  """gla.packed_chunked / gdn.packed_chunk_gdn on inputs given as two parts: the same
+  outputs (as parts) and final states as on their concatenation; parts of different
+  lengths across q, k, v, g (and beta) are refused by name."""
+  # The modules, not the ops of the same names that sse_jax.ops exports.
+  gla = importlib.import_module("sse_jax.ops.gla")
+  gdn = importlib.import_module("sse_jax.ops.gdn")
+  p, h, d = 13, 2, 16
+  keys = jax.random.split(jax.random.PRNGKey(4), 5)
+  q, k, v = (jax.random.normal(key, (p, h, d)) for key in keys[:3])
+  g = -jax.nn.softplus(jax.random.normal(keys[3], (p, h, d)))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (p, h)))
+  seg = jnp.asarray([1, 0, 1, 1, 0, 0, 1, 0, 0, 2, 2, 2, 2], jnp.int32)
+  h0 = jnp.zeros((3, h, d, d))
+  halves = lambda x: (x[:9], x[9:])
+  for name, run, args in (
+      ("gla", lambda *a: gla.packed_chunked(*a, seg, h0, 16, sorted_tail=4), (q, k, v, g)),
+      ("gdn", lambda *a: gdn.packed_chunk_gdn(a, seg, h0, 16, sorted_tail=4),
+       (q, k, v, g[..., 0], beta))):
+    o, final = run(*args)
+    (o9, o4), final_parts = run(*map(halves, args))
+    np.testing.assert_allclose(np.concatenate([o9, o4]), o, rtol=1e-6, atol=1e-6,
+                               err_msg=name)
+    np.testing.assert_allclose(final_parts, final, rtol=1e-6, atol=1e-6, err_msg=name)
+    bad = [halves(x) for x in args]
+    bad[1] = (args[1][:8], args[1][8:])  # k cut elsewhere
+    with pytest.raises(ValueError, match="k's parts|same slots"):
+      run(*bad)
