@@ -271,15 +271,11 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
   without concatenating them; slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted,
   sorted_tail as in `packing.chunk_layout`; move: the row mover; valid: None or bool
   [P], slots that are not valid become zero rows, as in `gla.packed_chunked`. Padding
-  rows are zero: identities. Returns o [P, H, Dv] (parts of the same lengths for parts) and the final
-  state of every segment [Z, H, Dk, Dv].
+  rows are zero: identities. Returns o [P, H, Dv] (parts of the same lengths for parts)
+  and the final state of every segment [Z, H, Dk, Dv].
   """
-  as_parts = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
-  q, k, v, g, beta = (as_parts(x) for x in rows)
-  sizes = tuple(x.shape[0] for x in q)
-  if any(tuple(part.shape[0] for part in x) != sizes for x in (k, v, g, beta)):
-    raise ValueError(f"the parts of q, k, v, g and beta must hold the same slots; q's hold "
-                     f"{list(sizes)}")
+  q, k, v, g, beta = (packing.as_parts(x) for x in rows)
+  sizes = packing.part_sizes(q=q, k=k, v=v, g=g, beta=beta)
   # g floored before the packing, as in `gla.packed_chunked` (and why).
   rows = (q, k, v, tuple(chunked.floor_log_decay(x) for x in g), beta)
   num_chunks = packing.max_chunks(slot_segment.shape[0], h0.shape[0], chunk_size)

@@ -69,13 +69,8 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   Returns o [P, H, Dv] and per-segment final states [Z, H, Dk, Dv] (an empty segment
   keeps its initial state).
   """
-  as_parts = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
-  q, k, v, g = (as_parts(x) for x in (q, k, v, g))
-  sizes = tuple(x.shape[0] for x in q)
-  for name, x in (("k", k), ("v", v), ("g", g)):
-    if tuple(part.shape[0] for part in x) != sizes:
-      raise ValueError(f"{name}'s parts hold {[part.shape[0] for part in x]} slots, "
-                       f"q's {list(sizes)}: the parts must match")
+  q, k, v, g = (packing.as_parts(x) for x in (q, k, v, g))
+  sizes = packing.part_sizes(q=q, k=k, v=v, g=g)
   p = sum(sizes)
   z = h0.shape[0]
   # Floored before the packing, so that the backward pass's mask of floored entries

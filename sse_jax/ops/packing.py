@@ -37,6 +37,23 @@ RowMover = Callable[[jax.Array | tuple[jax.Array, ...], jax.Array], jax.Array]
 Parts = jax.Array | tuple[jax.Array, ...]
 
 
+def as_parts(x: Parts) -> tuple[jax.Array, ...]:
+  """x as a tuple of parts: a lone array becomes a tuple of one."""
+  return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def part_sizes(**operands: tuple[jax.Array, ...]) -> tuple[int, ...]:
+  """The slots in each part, common to every operand (name=parts); raises a ValueError
+  naming the first operand whose parts are cut differently from the first one's."""
+  (first, parts), *others = operands.items()
+  sizes = tuple(x.shape[0] for x in parts)
+  for name, x in others:
+    if tuple(part.shape[0] for part in x) != sizes:
+      raise ValueError(f"{name}'s parts hold {[part.shape[0] for part in x]} slots, "
+                       f"{first}'s {list(sizes)}: the parts must match")
+  return sizes
+
+
 def take_rows(x: Parts, take: jax.Array) -> jax.Array:
   """The XLA row mover (`RowMover`): a gather that fills out-of-range rows with 0."""
   if isinstance(x, (tuple, list)):
@@ -114,7 +131,7 @@ def scatter_rows(x: Parts, rows: jax.Array, num_rows: int,
   x may be a tuple of parts (`Parts`), the slots in order across them: the buffer is
   filled from the parts directly, and their gradients come back as a tuple.
   move (static): the `RowMover` that copies them (and their cotangents back)."""
-  parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  parts = as_parts(x)
   inverse = _split(rows, tuple(part.shape[0] for part in parts))
   return _pack(parts, _slot_of_row(rows, num_rows), inverse, move)
 
