@@ -134,7 +134,11 @@ class BlockSizes:
   the split backward's intra kernel computes its tiles of dA = tril(do v^T) from do
   and v itself, instead of reading them from one batched XLA matmul. prefetch: the
   walks (fused or sweep) load the next chunk's inputs one step ahead in registers
-  (`_walk`), else leave the loads in the step to Triton's pipelining.
+  (`_walk`), else leave the loads in the step to Triton's pipelining. inter_in_intra:
+  the split backward as one kernel: the intra kernel computes the inter-chunk terms of
+  dq and dk itself (two more [C, Dv] x [Dv, BK] matmuls, from do, v and the chunk's
+  states), instead of a first kernel writing them to fp32 buffers that the second reads
+  back; a refinement of split_dqk, where its tiles fit (_fits_inter_in_intra).
   """
 
   chunk: int = 64
@@ -165,6 +169,7 @@ class BlockSizes:
   # ran 2-5x faster without it. Kept on until the SSE walks (64 x 64 tiles) are timed
   # without it too.
   prefetch: bool = True
+  inter_in_intra: bool = False
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
@@ -280,15 +285,17 @@ def _dot_split(a, b, contract, dtype):
 
 
 def _by_chunk_or_sub_block(gates, *, chunk, span, whole_chunk, whole, sub_block,
-                           init=0, reverse=False):
+                           init=0, reverse=False, before_sub_blocks=None):
   """whole(b_0, b) where the chunk's decay span b_0 - b is <= span everywhere (and
   whole_chunk, a static shared-memory verdict), else carry = sub_block(i, carry) for
-  each sub-block i in turn (last to first with `reverse`), from `init`. gates(): the
-  chunk's [1, D] first row b_0 and [C, D] fp32 gates b, used for the check and by
-  whole."""
+  each sub-block i in turn (last to first with `reverse`), from `init`, after
+  before_sub_blocks() if given. gates(): the chunk's [1, D] first row b_0 and [C, D]
+  fp32 gates b, used for the check and by whole."""
   ns = chunk // SUB
 
   def by_sub_block():
+    if before_sub_blocks is not None:
+      before_sub_blocks()
     lax.fori_loop(0, ns, lambda n, carry: sub_block(ns - 1 - n if reverse else n, carry),
                   init)
 
@@ -717,13 +724,19 @@ def _dqk_inter_kernel(valid_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
 
 
 def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unroll, span,
-                      whole_chunk, intra_scores):
+                      whole_chunk, intra_scores, inter_here, barrier):
   """split_dqk, second kernel: one (chunk, head, Dk block) adds the intra-chunk terms
   to the inter ones (dq_in, dk_in [C, BK], whose buffers dq, dk overwrite) and writes
   the gradient of the gates g themselves, dg_u = sum_{t >= u} db_t [C, BK] (b is their
   in-chunk cumulative sum), dGamma [1, BK] (from the first kernel) included.
   q, k, b: [C, BK]; then v, do: [C, Dv], from which the tiles of dA = tril(do v^T)
-  are computed here (_output_score_tiles), or with intra_scores=False dA [C, C] itself.
+  are computed here (_output_score_tiles), or with intra_scores=False dA [C, C] itself
+  (after v and do if inter_here).
+  With inter_here (BlockSizes.inter_in_intra) there is no first kernel: the states
+  h (entering the chunk) and dh (after it) [BK, Dv] follow, and the inter
+  terms and dGamma are computed here (_dq_dk_inter); where the chunk goes sub-block by
+  sub-block, they are first stored to dq, dk and read back by rows after a barrier
+  (`barrier`, static, off in interpret mode).
 
   Where the chunk's decay span (over these BK features) is at most `span`, each of dq
   and dk is one matmul anchored at row 0: dq = e^{b - b_0} (dA (k e^{b_0 - b})) and
@@ -733,21 +746,42 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
   rows of dq_in / dk_in before it writes the same rows.
   """
   valid = valid_ref[pl.program_id(0)] > 0
-  if intra_scores:
+  if intra_scores or inter_here:
     v_ref, do_ref, *refs = refs
+  if intra_scores:
     d_a = _output_score_tiles(do_ref, v_ref, dtype=dtype)
   else:
     da_ref, *refs = refs
     d_a = _ref_tiles(da_ref)
-  dgamma_ref, dq_in_ref, dk_in_ref, dq_ref, dk_ref, dg_ref = refs
-  d_gamma = dgamma_ref[...]                                              # [1, BK]
+  before_sub_blocks = None
+  if inter_here:
+    h_ref, dh_ref, dq_ref, dk_ref, dg_ref = refs
+    h, dh = h_ref[...], dh_ref[...]
+    dq_inter, dk_inter = _dq_dk_inter(b_ref, v_ref[...], do_ref[...], h, dh, chunk=chunk,
+                                      dtype=dtype)
+    # A chunk of no segment has no states to speak of (its buffers are not written).
+    d_gamma = jnp.where(
+        valid, jnp.sum(k_ref[...].astype(jnp.float32) * dk_inter, axis=0, keepdims=True)
+        + _state_share_of_dgamma(b_ref, h, dh, chunk=chunk), 0.0)
+    inter_all = lambda: (dq_inter, dk_inter)
+    dq_in_ref, dk_in_ref = dq_ref, dk_ref
+
+    def before_sub_blocks():
+      dq_ref[...], dk_ref[...] = dq_inter, dk_inter
+      if barrier:
+        plgpu.debug_barrier()
+  else:
+    dgamma_ref, dq_in_ref, dk_in_ref, dq_ref, dk_ref, dg_ref = refs
+    d_gamma = dgamma_ref[...]                                            # [1, BK]
+    inter_all = lambda: (dq_in_ref[...], dk_in_ref[...])
 
   def whole(first, b):
     q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
     decay, growth = jnp.exp(b - first), jnp.exp(first - b)
     scores = d_a(None, None)
-    dq = dq_in_ref[...] + decay * _dot_split(scores, k * growth, _NN, dtype)
-    dk = dk_in_ref[...] + growth * _dot_split(scores, q * decay, _TN, dtype)
+    dq_in, dk_in = inter_all()
+    dq = dq_in + decay * _dot_split(scores, k * growth, _NN, dtype)
+    dk = dk_in + growth * _dot_split(scores, q * decay, _TN, dtype)
     _write_dq_dk(valid, dq, dk, dq_ref, dk_ref)
     row = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
     dg_ref[...] = _suffix_sums(_db(valid, q, k, dq, dk)
@@ -769,7 +803,8 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
   _by_chunk_or_sub_block(lambda: (_row(b_ref, 0), b_ref[...].astype(jnp.float32)),
                          chunk=chunk, span=span, whole_chunk=whole_chunk, whole=whole,
                          sub_block=sub_block,
-                         init=jnp.zeros((1, k_ref.shape[-1]), jnp.float32), reverse=True)
+                         init=jnp.zeros((1, k_ref.shape[-1]), jnp.float32), reverse=True,
+                         before_sub_blocks=before_sub_blocks)
 
 
 # ----------------------------------------------------------------------------------
@@ -1071,53 +1106,73 @@ def _suffix_sums_over_chunk(db):
                     precision=lax.Precision.HIGHEST).reshape(db.shape)
 
 
+def _fits_inter_in_intra(c: int, bk: int, dv: int, itemsize: int) -> bool:
+  """Whether BlockSizes.inter_in_intra's one kernel fits in shared memory at Dk block
+  bk: the split inter kernel's tiles (_inter_block_k) and the intra kernel's
+  whole-chunk matmul (_fits_whole_chunk) counted side by side."""
+  inter = 2 * c * dv * itemsize + 8 * bk * dv + 2 * c * bk
+  return inter + 4 * c * c + 4 * c * bk + 4 * c * c <= _SMEM_BYTES
+
+
 def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
   """_dqkb as two kernels (BlockSizes.split_dqk): inter-chunk terms and dGamma per
   (chunk, head, Dk block of bk_inter columns), then intra-chunk terms and dg per
-  (chunk, head, Dk block of block_k columns), updating the first kernel's buffers."""
+  (chunk, head, Dk block of block_k columns), updating the first kernel's buffers;
+  with BlockSizes.inter_in_intra, where its tiles fit, the second kernel alone."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   bk, _ = bs.tiles(dk, dv)
-  k_blk = pl.BlockSpec((None, c, None, bk_inter), lambda n, hh, kk: (n, 0, hh, kk))
   v_all = pl.BlockSpec((None, c, None, dv), lambda n, hh, kk: (n, 0, hh, 0))
-  state = pl.BlockSpec((None, None, bk_inter, dv), lambda n, hh, kk: (n, hh, kk, 0))
-  kernel = functools.partial(_dqk_inter_kernel, chunk=c, dtype=q.dtype)
-  dq_inter, dk_inter, d_gamma = pl.pallas_call(
-      kernel, grid=(nc, h, dk // bk_inter),
-      in_specs=[_whole(nc), k_blk, k_blk, v_all, v_all, state, state],
-      out_specs=[k_blk, k_blk,
-                 pl.BlockSpec((None, None, 1, bk_inter), lambda n, hh, kk: (n, hh, 0, kk))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((nc, h, 1, dk), jnp.float32)],
-      compiler_params=_params(bs), interpret=interpret, name="gla_dqk_inter",
-  )(valid, k, b, v, do, h_start, dh)
+  inter_here = bs.inter_in_intra and _fits_inter_in_intra(
+      c, bk, dv, max(v.dtype.itemsize, do.dtype.itemsize))
+  if inter_here:
+    state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk: (n, hh, kk, 0))
+    inter_specs, inter_args, aliases = [state, state], (h_start, dh), {}
+  else:
+    k_blk = pl.BlockSpec((None, c, None, bk_inter), lambda n, hh, kk: (n, 0, hh, kk))
+    state = pl.BlockSpec((None, None, bk_inter, dv), lambda n, hh, kk: (n, hh, kk, 0))
+    kernel = functools.partial(_dqk_inter_kernel, chunk=c, dtype=q.dtype)
+    dq_inter, dk_inter, d_gamma = pl.pallas_call(
+        kernel, grid=(nc, h, dk // bk_inter),
+        in_specs=[_whole(nc), k_blk, k_blk, v_all, v_all, state, state],
+        out_specs=[k_blk, k_blk,
+                   pl.BlockSpec((None, None, 1, bk_inter), lambda n, hh, kk: (n, hh, 0, kk))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((nc, h, 1, dk), jnp.float32)],
+        compiler_params=_params(bs), interpret=interpret, name="gla_dqk_inter",
+    )(valid, k, b, v, do, h_start, dh)
+    k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk: (n, 0, hh, kk))
+    inter_specs = [pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk: (n, hh, 0, kk)),
+                   k_blk, k_blk]
+    inter_args = (d_gamma, dq_inter, dk_inter)
+    # Each program reads rows of the inter terms before writing the same rows of
+    # dq / dk: the buffers can be reused.
+    n_args = 4 + (2 if bs.intra_scores else 1) + 3
+    aliases = {n_args - 2: 0, n_args - 1: 1}
 
   k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk: (n, 0, hh, kk))
   kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
                              unroll=bs.diag_unroll, span=bs.diag_matmul_span,
                              whole_chunk=_fits_whole_chunk(c, c, bk),
-                             intra_scores=bs.intra_scores)
-  if bs.intra_scores:
+                             intra_scores=bs.intra_scores, inter_here=inter_here,
+                             barrier=not interpret)
+  scores_specs, scores_args = [], ()
+  if bs.intra_scores or inter_here:
     scores_specs, scores_args = [v_all, v_all], (v, do)
-  else:
-    scores_specs = [pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0))]
-    scores_args = (_output_scores(do, v),)
-  args = (valid, q, k, b, *scores_args, d_gamma, dq_inter, dk_inter)
+  if not bs.intra_scores:
+    scores_specs.append(pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0)))
+    scores_args += (_output_scores(do, v),)
   return pl.pallas_call(
       kernel, grid=(nc, h, dk // bk),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk, *scores_specs,
-                pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk: (n, hh, 0, kk)),
-                k_blk, k_blk],
+      in_specs=[_whole(nc), k_blk, k_blk, k_blk, *scores_specs, *inter_specs],
       out_specs=[k_blk, k_blk, k_blk],
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(b.shape, jnp.float32)],
-      # Each program reads rows of the inter terms before writing the same rows of
-      # dq / dk: the buffers can be reused.
-      input_output_aliases={len(args) - 2: 0, len(args) - 1: 1},
+      input_output_aliases=aliases,
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
-  )(*args)
+  )(valid, q, k, b, *scores_args, *inter_args)
 
 
 # ----------------------------------------------------------------------------------

@@ -191,6 +191,12 @@ class TestPallasGPU:
       dict(split_dqk=True, block_k=128, dims=(256, 256)),  # inter kernel: block_k 64
       dict(split_dqk=True, chunk=128, dims=(256, 256)),  # too large to split: fused
       dict(split_dqk=False, diag_unroll=1),  # the fused dq/dk kernel
+      # dq/dk in one kernel that computes the inter terms too: by whole chunks where
+      # the span allows, else from its own stores of them, read back by sub-block.
+      dict(inter_in_intra=True, block_k=32),
+      dict(inter_in_intra=True, diag_matmul_span=0.0),
+      dict(inter_in_intra=True, intra_scores=False),
+      dict(inter_in_intra=True, chunk=128, dims=(128, 128)),
       dict(diag_matmul_span=0.0),            # every diagonal block row by row
       dict(diag_matmul_span=60.0, split_dqk=False),  # the largest span allowed
       # The states as a local-contribution pass plus a sweep instead of one walk.
@@ -365,6 +371,7 @@ def test_kernels_lower_for_cuda():
                        (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 7),
                        (dict(split_dqk=True), 7),
                        (dict(intra_scores=False), 7),
+                       (dict(inter_in_intra=True), 6),
                        (dict(fused_states=False), 9),
                        (dict(walk_programs=1), 7),
                        (dict(fused_states=False, recompute_states=True), 11)):
