@@ -285,17 +285,15 @@ def _dot_split(a, b, contract, dtype):
 
 
 def _by_chunk_or_sub_block(gates, *, chunk, span, whole_chunk, whole, sub_block,
-                           init=0, reverse=False, before_sub_blocks=None):
+                           init=0, reverse=False):
   """whole(b_0, b) where the chunk's decay span b_0 - b is <= span everywhere (and
   whole_chunk, a static shared-memory verdict), else carry = sub_block(i, carry) for
-  each sub-block i in turn (last to first with `reverse`), from `init`, after
-  before_sub_blocks() if given. gates(): the chunk's [1, D] first row b_0 and [C, D]
-  fp32 gates b, used for the check and by whole."""
+  each sub-block i in turn (last to first with `reverse`), from `init`. gates(): the
+  chunk's [1, D] first row b_0 and [C, D] fp32 gates b, used for the check and by
+  whole."""
   ns = chunk // SUB
 
   def by_sub_block():
-    if before_sub_blocks is not None:
-      before_sub_blocks()
     lax.fori_loop(0, ns, lambda n, carry: sub_block(ns - 1 - n if reverse else n, carry),
                   init)
 
@@ -724,7 +722,7 @@ def _dqk_inter_kernel(valid_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
 
 
 def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unroll, span,
-                      whole_chunk, intra_scores, inter_here, barrier):
+                      whole_chunk, intra_scores, inter_here):
   """split_dqk, second kernel: one (chunk, head, Dk block) adds the intra-chunk terms
   to the inter ones (dq_in, dk_in [C, BK], whose buffers dq, dk overwrite) and writes
   the gradient of the gates g themselves, dg_u = sum_{t >= u} db_t [C, BK] (b is their
@@ -733,10 +731,10 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
   are computed here (_output_score_tiles), or with intra_scores=False dA [C, C] itself
   (after v and do if inter_here).
   With inter_here (BlockSizes.inter_in_intra) there is no first kernel: the states
-  h (entering the chunk) and dh (after it) [BK, Dv] follow, and the inter
-  terms and dGamma are computed here (_dq_dk_inter); where the chunk goes sub-block by
-  sub-block, they are first stored to dq, dk and read back by rows after a barrier
-  (`barrier`, static, off in interpret mode).
+  h (entering the chunk) and dh (after it) [BK, Dv] follow, the inter terms and
+  dGamma are computed here (_dq_dk_inter; where the chunk goes sub-block by sub-block,
+  the inter terms again per sub-block from its rows of v and do), and dq, dk are
+  written in their own dtype (no fp32 copy for XLA to round).
 
   Where the chunk's decay span (over these BK features) is at most `span`, each of dq
   and dk is one matmul anchored at row 0: dq = e^{b - b_0} (dA (k e^{b_0 - b})) and
@@ -753,7 +751,6 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
   else:
     da_ref, *refs = refs
     d_a = _ref_tiles(da_ref)
-  before_sub_blocks = None
   if inter_here:
     h_ref, dh_ref, dq_ref, dk_ref, dg_ref = refs
     h, dh = h_ref[...], dh_ref[...]
@@ -764,16 +761,14 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
         valid, jnp.sum(k_ref[...].astype(jnp.float32) * dk_inter, axis=0, keepdims=True)
         + _state_share_of_dgamma(b_ref, h, dh, chunk=chunk), 0.0)
     inter_all = lambda: (dq_inter, dk_inter)
-    dq_in_ref, dk_in_ref = dq_ref, dk_ref
-
-    def before_sub_blocks():
-      dq_ref[...], dk_ref[...] = dq_inter, dk_inter
-      if barrier:
-        plgpu.debug_barrier()
+    inter_rows = lambda i: _dq_dk_inter(b_ref, _rows(v_ref, i), _rows(do_ref, i), h, dh,
+                                        chunk=chunk, dtype=dtype, rows=i)
   else:
     dgamma_ref, dq_in_ref, dk_in_ref, dq_ref, dk_ref, dg_ref = refs
     d_gamma = dgamma_ref[...]                                            # [1, BK]
     inter_all = lambda: (dq_in_ref[...], dk_in_ref[...])
+    inter_rows = lambda i: (dq_in_ref[pl.ds(i * SUB, SUB), :],
+                            dk_in_ref[pl.ds(i * SUB, SUB), :])
 
   def whole(first, b):
     q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
@@ -790,9 +785,8 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
   def sub_block(i, later):
     """Sub-block i's rows; later: sum of db over the rows after it [1, BK]."""
     rows = pl.ds(i * SUB, SUB)
-    dq, dk = _add_intra(q_ref, k_ref, b_ref, d_a, i, dq_in_ref[rows, :],
-                        dk_in_ref[rows, :], chunk=chunk, dtype=dtype, unroll=unroll,
-                        span=span)
+    dq, dk = _add_intra(q_ref, k_ref, b_ref, d_a, i, *inter_rows(i), chunk=chunk,
+                        dtype=dtype, unroll=unroll, span=span)
     _write_dq_dk(valid, dq, dk, dq_ref, dk_ref, rows)
     last_row = (_iota(0, 1) == SUB - 1) & (i == chunk // SUB - 1)
     db = (_db(valid, _rows(q_ref, i), _rows(k_ref, i), dq, dk)
@@ -803,8 +797,7 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
   _by_chunk_or_sub_block(lambda: (_row(b_ref, 0), b_ref[...].astype(jnp.float32)),
                          chunk=chunk, span=span, whole_chunk=whole_chunk, whole=whole,
                          sub_block=sub_block,
-                         init=jnp.zeros((1, k_ref.shape[-1]), jnp.float32), reverse=True,
-                         before_sub_blocks=before_sub_blocks)
+                         init=jnp.zeros((1, k_ref.shape[-1]), jnp.float32), reverse=True)
 
 
 # ----------------------------------------------------------------------------------
@@ -1059,12 +1052,13 @@ def _inter_block_k(c: int, bk: int, dv: int, itemsize: int) -> int | None:
 
 
 def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
-  """dq, dk and dg [NC, C, H, Dk] fp32: the gradients w.r.t. q, k and the gates g
+  """dq, dk and dg [NC, C, H, Dk]: the gradients w.r.t. q, k and the gates g
   whose in-chunk cumulative sums are b.
 
   BlockSizes.split_dqk uses two kernels where the first one's tiles fit in shared
   memory (_inter_block_k), the second of which turns db into dg; else the fused
-  kernel, whose db (dGamma added) XLA turns into dg."""
+  kernel, whose db (dGamma added) XLA turns into dg. dg is fp32, dq and dk are in q's
+  and k's dtype from the one kernel of BlockSizes.inter_in_intra, else fp32."""
   nc, c, h, dk = q.shape
   dv = v.shape[-1]
   if bs.split_dqk:
@@ -1155,8 +1149,7 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
   kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
                              unroll=bs.diag_unroll, span=bs.diag_matmul_span,
                              whole_chunk=_fits_whole_chunk(c, c, bk),
-                             intra_scores=bs.intra_scores, inter_here=inter_here,
-                             barrier=not interpret)
+                             intra_scores=bs.intra_scores, inter_here=inter_here)
   scores_specs, scores_args = [], ()
   if bs.intra_scores or inter_here:
     scores_specs, scores_args = [v_all, v_all], (v, do)
@@ -1167,8 +1160,8 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
       kernel, grid=(nc, h, dk // bk),
       in_specs=[_whole(nc), k_blk, k_blk, k_blk, *scores_specs, *inter_specs],
       out_specs=[k_blk, k_blk, k_blk],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(k.shape, jnp.float32),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype if inter_here else jnp.float32),
+                 jax.ShapeDtypeStruct(k.shape, k.dtype if inter_here else jnp.float32),
                  jax.ShapeDtypeStruct(b.shape, jnp.float32)],
       input_output_aliases=aliases,
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
