@@ -55,6 +55,10 @@ Kernels (grid; what each program does):
   _dqk_intra_kernel (NC, H, nK)   adds the intra-chunk terms in place, its tiles of dA
                                    computed from do and v on the way
                                    (BlockSizes.intra_scores), and writes dg.
+                                   With BlockSizes.inter_in_intra it computes the
+                                   inter terms itself (no inter kernel, no fp32
+                                   buffers between the two) and writes dq and dk in
+                                   their own dtype.
 The custom_vjp takes the gates g themselves: b is summed in the scores kernel, and the
 intra kernel turns db into dg_u = sum_{t >= u} db_t (dGamma included), so neither b's
 sums nor their transpose, nor dA, are XLA ops between the kernels (with the fused
