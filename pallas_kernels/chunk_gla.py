@@ -173,7 +173,10 @@ class BlockSizes:
   # ran 2-5x faster without it. Kept on until the SSE walks (64 x 64 tiles) are timed
   # without it too.
   prefetch: bool = True
-  inter_in_intra: bool = False
+  # H100, L = 32K, fwd + bwd (experiments.bench_ops, one session): dense GLA 4.96 ->
+  # 4.89 ms, SSE varlen N = 4 9.16 -> 8.07 ms; the 125M SSE model's training step at
+  # T = 32K 166.7 -> 159.5 ms (results/bench_ops/inter_in_intra_h100).
+  inter_in_intra: bool = True
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:

@@ -184,6 +184,7 @@ class TestPallasGPU:
       dict(recompute_states=True, sweep_k=16, sweep_v=64),
       dict(block_k=32, block_v=16, sweep_k=64, sweep_v=16, num_warps=2, diag_unroll=4),
       dict(split_dqk=True, block_k=32, diag_unroll=2),
+      dict(split_dqk=True, inter_in_intra=False, block_k=32),  # two kernels
       dict(intra_scores=False),               # dA from XLA's matmul, read by the kernel
       dict(intra_scores=False, diag_matmul_span=0.0),
       # The split dq/dk kernels' largest tiles.
@@ -191,12 +192,11 @@ class TestPallasGPU:
       dict(split_dqk=True, block_k=128, dims=(256, 256)),  # inter kernel: block_k 64
       dict(split_dqk=True, chunk=128, dims=(256, 256)),  # too large to split: fused
       dict(split_dqk=False, diag_unroll=1),  # the fused dq/dk kernel
-      # dq/dk in one kernel that computes the inter terms too: by whole chunks where
-      # the span allows, else from its own stores of them, read back by sub-block.
-      dict(inter_in_intra=True, block_k=32),
-      dict(inter_in_intra=True, diag_matmul_span=0.0),
-      dict(inter_in_intra=True, intra_scores=False),
-      dict(inter_in_intra=True, chunk=128, dims=(128, 128)),
+      # The split dq/dk as two kernels, the inter terms through fp32 buffers (the
+      # default computes them in the intra kernel, where its tiles fit).
+      dict(inter_in_intra=False, diag_matmul_span=0.0),
+      dict(inter_in_intra=False, intra_scores=False),
+      dict(inter_in_intra=False, chunk=128, dims=(128, 128)),
       dict(diag_matmul_span=0.0),            # every diagonal block row by row
       dict(diag_matmul_span=60.0, split_dqk=False),  # the largest span allowed
       # The states as a local-contribution pass plus a sweep instead of one walk.
@@ -342,10 +342,11 @@ def test_kernels_lower_for_cuda():
     return jnp.sum(o1.astype(jnp.float32)) + jnp.sum(o2.astype(jnp.float32))
 
   # Per op: forward scores (and gate sums), states, outputs; backward reverse states
-  # (state gradients), dv, dq/dk inter and intra (the forward's states are kept).
+  # (state gradients), dv, dq/dk (one kernel: BlockSizes.inter_in_intra; the forward's
+  # states are kept).
   counts = cuda_triton_kernels(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *x, w)
   moves = counts.pop("move_rows", 0)
-  assert sum(counts.values()) == 14, f"expected 14 Triton kernel calls, found {counts}"
+  assert sum(counts.values()) == 12, f"expected 12 Triton kernel calls, found {counts}"
   # The packing's row moves. GLA: q, k, v, g into the buffer and o out, then the
   # cotangents the other way (10), and q, k, v into the buffer again in the backward
   # pass, which recomputes the packed copies instead of keeping them (3). SSE packs its
@@ -353,28 +354,30 @@ def test_kernels_lower_for_cuda():
   # out per part, so o out and dq, dk, dv, dg out take two each (13 + 5).
   assert moves == 31, f"expected 31 row moves, found {moves}"
   # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
-  # pallas_call gains a grid dimension, and still lowers, as the same 14 calls.
+  # pallas_call gains a grid dimension, and still lowers, as the same 12 calls.
   stack = lambda a: jnp.stack([a, a])
   calls = cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
                              *map(stack, x), stack(w))
-  assert calls == 14, f"vmapped: expected 14 Triton kernel calls, found {calls}"
+  assert calls == 12, f"vmapped: expected 12 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
-  # (one more state walk in the backward), other tiles, dq/dk in two kernels, and the
-  # states as a local-contribution pass plus a sweep (two kernels each way).
+  # (one more state walk in the backward), other tiles, dq/dk in two kernels (the inter
+  # terms through buffers), and the states as a local-contribution pass plus a sweep
+  # (two kernels each way).
   c, h, d = 32, 1, 64
   q = jnp.ones((1, 2, c, h, d), jnp.bfloat16)
   h0, start, count = jnp.zeros((1, h, d, d)), jnp.asarray([0]), jnp.asarray([2])
   for fields, want in ((dict(split_dqk=False, diag_unroll=1), 6),
                        (dict(split_dqk=False, diag_unroll=4), 6),
-                       (dict(recompute_states=True), 8),
-                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 7),
-                       (dict(split_dqk=True), 7),
-                       (dict(intra_scores=False), 7),
-                       (dict(inter_in_intra=True), 6),
-                       (dict(fused_states=False), 9),
-                       (dict(walk_programs=1), 7),
-                       (dict(fused_states=False, recompute_states=True), 11)):
+                       (dict(recompute_states=True), 7),
+                       (dict(block_k=32, block_v=16, sweep_k=16, num_warps=8), 6),
+                       (dict(split_dqk=True), 6),
+                       (dict(intra_scores=False), 6),
+                       (dict(inter_in_intra=False), 7),
+                       (dict(inter_in_intra=False, intra_scores=False), 7),
+                       (dict(fused_states=False), 8),
+                       (dict(walk_programs=1), 6),
+                       (dict(fused_states=False, recompute_states=True), 10)):
     bs = pallas_chunk_gla.BlockSizes(chunk=c, **fields)
     core = lambda q, k, v, g, bs=bs: jnp.sum(pallas_chunk_gla.chunk_gla(
         q, k, v, g, h0, start, count, block_sizes=bs, interpret=False)[0].astype(jnp.float32))
