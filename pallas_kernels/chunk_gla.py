@@ -578,6 +578,13 @@ def _state_share_of_dgamma(b_ref, h, dh, *, chunk):
   return jnp.exp(_row(b_ref, chunk - 1)) * jnp.sum(prod, axis=1).reshape(1, -1)
 
 
+def _dgamma(k_ref, b_ref, dk_inter, h, dh, *, chunk):
+  """dGamma [1, BK] of a whole chunk: sum_s k_s dk_inter_s plus the states' term (its
+  intra terms cancel); dk_inter [C, BK] from _dq_dk_inter."""
+  return (jnp.sum(k_ref[...].astype(jnp.float32) * dk_inter, axis=0, keepdims=True)
+          + _state_share_of_dgamma(b_ref, h, dh, chunk=chunk))
+
+
 def _ds(span):
   """A (start, size) pair as a ref index; None: the whole axis."""
   return slice(None) if span is None else pl.ds(*span)
@@ -721,8 +728,7 @@ def _dqk_inter_kernel(valid_ref, k_ref, b_ref, v_ref, do_ref, h_ref, dh_ref,
   valid = valid_ref[pl.program_id(0)] > 0
   h, dh = h_ref[...], dh_ref[...]
   dq, dk = _dq_dk_inter(b_ref, v_ref[...], do_ref[...], h, dh, chunk=chunk, dtype=dtype)
-  d_gamma = (jnp.sum(k_ref[...].astype(jnp.float32) * dk, axis=0, keepdims=True)
-             + _state_share_of_dgamma(b_ref, h, dh, chunk=chunk))
+  d_gamma = _dgamma(k_ref, b_ref, dk, h, dh, chunk=chunk)
   dq_ref[...] = jnp.where(valid, dq, 0.0)
   dk_ref[...] = jnp.where(valid, dk, 0.0)
   dgamma_ref[...] = jnp.where(valid, d_gamma, 0.0)
@@ -764,9 +770,7 @@ def _dqk_intra_kernel(valid_ref, q_ref, k_ref, b_ref, *refs, chunk, dtype, unrol
     dq_inter, dk_inter = _dq_dk_inter(b_ref, v_ref[...], do_ref[...], h, dh, chunk=chunk,
                                       dtype=dtype)
     # A chunk of no segment has no states to speak of (its buffers are not written).
-    d_gamma = jnp.where(
-        valid, jnp.sum(k_ref[...].astype(jnp.float32) * dk_inter, axis=0, keepdims=True)
-        + _state_share_of_dgamma(b_ref, h, dh, chunk=chunk), 0.0)
+    d_gamma = jnp.where(valid, _dgamma(k_ref, b_ref, dk_inter, h, dh, chunk=chunk), 0.0)
     inter_all = lambda: (dq_inter, dk_inter)
     inter_rows = lambda i: _dq_dk_inter(b_ref, _rows(v_ref, i), _rows(do_ref, i), h, dh,
                                         chunk=chunk, dtype=dtype, rows=i)
@@ -1030,29 +1034,40 @@ def _sub_block_specs(c, bk):
 _SMEM_BYTES = 227 * 1024
 
 
-def _fits_whole_chunk(c: int, inner: int, cols: int) -> bool:
-  """Whether a whole-chunk matmul [C, inner] x [inner, cols] fits in shared memory.
+def _whole_chunk_bytes(c: int, inner: int, cols: int) -> int:
+  """Shared memory of a whole-chunk matmul [C, inner] x [inner, cols].
 
   Its operands are staged there, 4 bytes per element either way (fp32, or the bf16
   hi / lo halves of _dot_split); an fp32 [C, C] tile is counted on top as a margin.
   On the H200 the scores kernel at C = 128 and Dk = 256 asked for 262,144 bytes, the
   two operands exactly, and failed; at C = 128 and Dk = 128 it compiled.
   """
-  return 4 * c * inner + 4 * inner * cols + 4 * c * c <= _SMEM_BYTES
+  return 4 * c * inner + 4 * inner * cols + 4 * c * c
+
+
+def _fits_whole_chunk(c: int, inner: int, cols: int) -> bool:
+  """Whether a whole-chunk matmul [C, inner] x [inner, cols] fits in shared memory."""
+  return _whole_chunk_bytes(c, inner, cols) <= _SMEM_BYTES
+
+
+def _inter_bytes(c: int, bk: int, dv: int, itemsize: int) -> int:
+  """Shared memory of the split dq/dk inter terms at Dk block bk: v and do [C, Dv]
+  (input dtype) and both states [BK, Dv] (fp32) whole; the count matched what Triton
+  asked for on the H200 (C = 32, BK = 128, Dv = 256, fp32: 335,872 bytes, over the
+  limit)."""
+  return 2 * c * dv * itemsize + 8 * bk * dv + 2 * c * bk
 
 
 def _inter_block_k(c: int, bk: int, dv: int, itemsize: int) -> int | None:
   """Dk block of the split dq/dk inter kernel: the largest <= bk whose tiles fit in
   shared memory, or None if none does.
 
-  That kernel holds v and do [C, Dv] (input dtype) and both states [BK, Dv] (fp32)
-  whole; the count below matched what Triton asked for on the H200 (C = 32, BK = 128,
-  Dv = 256, fp32: 335,872 bytes, over the limit). Where no block fits (v and do alone
-  are too large: C = 128 and Dv = 256 in fp32), _dqkb uses the fused kernel, which
-  holds L rows of them instead of C.
+  Its tiles: _inter_bytes. Where no block fits (v and do alone are too large: C = 128
+  and Dv = 256 in fp32), _dqkb uses the fused kernel, which holds L rows of them
+  instead of C.
   """
   while bk >= 16:
-    if 2 * c * dv * itemsize + 8 * bk * dv + 2 * c * bk <= _SMEM_BYTES:
+    if _inter_bytes(c, bk, dv, itemsize) <= _SMEM_BYTES:
       return bk
     bk //= 2
   return None
@@ -1109,10 +1124,9 @@ def _suffix_sums_over_chunk(db):
 
 def _fits_inter_in_intra(c: int, bk: int, dv: int, itemsize: int) -> bool:
   """Whether BlockSizes.inter_in_intra's one kernel fits in shared memory at Dk block
-  bk: the split inter kernel's tiles (_inter_block_k) and the intra kernel's
-  whole-chunk matmul (_fits_whole_chunk) counted side by side."""
-  inter = 2 * c * dv * itemsize + 8 * bk * dv + 2 * c * bk
-  return inter + 4 * c * c + 4 * c * bk + 4 * c * c <= _SMEM_BYTES
+  bk: the inter terms' tiles and the intra kernel's whole-chunk matmul counted side by
+  side."""
+  return _inter_bytes(c, bk, dv, itemsize) + _whole_chunk_bytes(c, c, bk) <= _SMEM_BYTES
 
 
 def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
@@ -1128,7 +1142,7 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
       c, bk, dv, max(v.dtype.itemsize, do.dtype.itemsize))
   if inter_here:
     state = pl.BlockSpec((None, None, bk, dv), lambda n, hh, kk: (n, hh, kk, 0))
-    inter_specs, inter_args, aliases = [state, state], (h_start, dh), {}
+    inter_specs, inter_args = [state, state], (h_start, dh)
   else:
     k_blk = pl.BlockSpec((None, c, None, bk_inter), lambda n, hh, kk: (n, 0, hh, kk))
     state = pl.BlockSpec((None, None, bk_inter, dv), lambda n, hh, kk: (n, hh, kk, 0))
@@ -1147,10 +1161,6 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
     inter_specs = [pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk: (n, hh, 0, kk)),
                    k_blk, k_blk]
     inter_args = (d_gamma, dq_inter, dk_inter)
-    # Each program reads rows of the inter terms before writing the same rows of
-    # dq / dk: the buffers can be reused.
-    n_args = 4 + (2 if bs.intra_scores else 1) + 3
-    aliases = {n_args - 2: 0, n_args - 1: 1}
 
   k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk: (n, 0, hh, kk))
   kernel = functools.partial(_dqk_intra_kernel, chunk=c, dtype=q.dtype,
@@ -1163,6 +1173,10 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
   if not bs.intra_scores:
     scores_specs.append(pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0)))
     scores_args += (_output_scores(do, v),)
+  args = (valid, q, k, b, *scores_args, *inter_args)
+  # Each program reads rows of the inter terms before writing the same rows of dq / dk:
+  # the first kernel's buffers (the last two arguments) can be reused.
+  aliases = {} if inter_here else {len(args) - 2: 0, len(args) - 1: 1}
   return pl.pallas_call(
       kernel, grid=(nc, h, dk // bk),
       in_specs=[_whole(nc), k_blk, k_blk, k_blk, *scores_specs, *inter_specs],
@@ -1172,7 +1186,7 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
                  jax.ShapeDtypeStruct(b.shape, jnp.float32)],
       input_output_aliases=aliases,
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
-  )(valid, q, k, b, *scores_args, *inter_args)
+  )(*args)
 
 
 # ----------------------------------------------------------------------------------
