@@ -87,6 +87,9 @@ from jax.experimental import pallas as pl
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import slot_rows
+from pallas_kernels.slot_rows import Slots
+
 SUB = 16  # L: rows of a sub-chunk.
 # The name (`jax.ad_checkpoint.checkpoint_name`) of the residuals that the custom_vjp
 # cores keep from their forward kernels (scores, in-chunk gate sums, chunk states): a
@@ -143,6 +146,11 @@ class BlockSizes:
   dq and dk itself (two more [C, Dv] x [Dv, BK] matmuls, from do, v and the chunk's
   states), instead of a first kernel writing them to fp32 buffers that the second reads
   back; a refinement of split_dqk, where its tiles fit (_fits_inter_in_intra).
+  gather_rows: for callers that pack slots into chunk-aligned buffers (sse_jax's packed
+  paths), read the slots in place instead (`chunk_gla_slots`, `slot_rows`): the kernels
+  gather each chunk's rows through the buffer's row table and scatter their per-row
+  results back, so no copy of q, k, v, g (and do) goes in and none of o (dq, dk, dv,
+  dg) comes out.
   """
 
   chunk: int = 64
@@ -177,6 +185,9 @@ class BlockSizes:
   # 4.89 ms, SSE varlen N = 4 9.16 -> 8.07 ms; the 125M SSE model's training step at
   # T = 32K 166.7 -> 159.5 ms (results/bench_ops/inter_in_intra_h100).
   inter_in_intra: bool = True
+  # Off until timed on a GPU: 13 row copies fewer per fwd + bwd of dense GLA with
+  # cu_seqlens (1.9 GiB at L = 32K, 8 heads of 128), 11 of SSE varlen.
+  gather_rows: bool = False
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
@@ -455,31 +466,44 @@ def _local_kernel(x_ref, b_ref, z_ref, out_ref, *, chunk, dtype, to_end):
   out_ref[...] = _dot(x_ref[...].astype(jnp.float32) * jnp.exp(u), z_ref[...], _TN, dtype)
 
 
-def _walk(start, count, nc, reverse, load, step, init, prefetch=True):
+def _walk(start, count, nc, reverse, load, step, init, prefetch=True, index=None):
   """carry = step(c, loaded, carry) over the chunks c of one segment, in order (or in
-  reverse), with chunk c's inputs `load(c)`.
+  reverse), with chunk c's inputs `load(c)`, or `load(c, index(c))` where the inputs'
+  addresses must be loaded first (operands read through a row table, `slot_rows`).
 
   The walk is the op's one sequential chain, and each of its steps would otherwise
   wait on its own loads (a global-memory round trip, ~1 us). With `prefetch` the loads
   of the next chunk are a loop carry, in flight while this chunk's step runs (the
-  prefetch past the last chunk is clamped to a valid chunk and never used); that
-  costs registers for a second copy of the inputs, so walks over large tiles may do
-  better leaving the loads in the step, to Triton's own pipelining.
+  prefetch past the last chunk is clamped to a valid chunk and never used), and with
+  `index` the addresses of the chunk after it too, so that no step waits on two round
+  trips in a row; that costs registers for a second copy of the inputs, so walks over
+  large tiles may do better leaving the loads in the step, to Triton's own pipelining.
   """
   def chunk_at(n):
     n = jnp.minimum(n, count - 1)
     return jnp.clip(start + (count - 1 - n if reverse else n), 0, nc - 1)
 
+  if index is None:
+    at = lambda c: load(c)
+  else:
+    at = lambda c: load(c, index(c))
   if not prefetch:
-    return lax.fori_loop(0, count, lambda n, acc: step(chunk_at(n), load(chunk_at(n)), acc),
+    return lax.fori_loop(0, count, lambda n, acc: step(chunk_at(n), at(chunk_at(n)), acc),
                          init)
+  if index is None:
+    def body(n, carry):
+      loaded, acc = carry
+      nxt = load(chunk_at(n + 1))
+      return nxt, step(chunk_at(n), loaded, acc)
+    return lax.fori_loop(0, count, body, (load(chunk_at(0)), init))[1]
 
-  def body(n, carry):
-    loaded, acc = carry
-    nxt = load(chunk_at(n + 1))
-    return nxt, step(chunk_at(n), loaded, acc)
+  def body_indexed(n, carry):
+    where_next, loaded, acc = carry
+    nxt = load(chunk_at(n + 1), where_next)
+    return index(chunk_at(n + 2)), nxt, step(chunk_at(n), loaded, acc)
 
-  return lax.fori_loop(0, count, body, (load(chunk_at(0)), init))[1]
+  init = (index(chunk_at(1)), at(chunk_at(0)), init)
+  return lax.fori_loop(0, count, body_indexed, init)[2]
 
 
 def _sweep_kernel(start_ref, count_ref, decay_ref, local_ref, init_ref, seq_ref,
@@ -517,9 +541,18 @@ def _states_kernel(start_ref, count_ref, x_ref, b_ref, z_ref, init_ref, seq_ref,
   seq_ref [NC, BK, BV]; init_ref, last_ref [BK, BV].
   """
   seg = pl.program_id(3)  # the grid is (Dk tile, Dv tile, head, segment): _walk_grid
+  index = None
+  if isinstance(x_ref, slot_rows.SlotRef):
+    # x and z are slots of one table: the chunk's row addresses are loaded once, a step
+    # ahead of its rows (_walk).
+    index = x_ref.slots_of
 
-  def load(c):
-    return x_ref[c], b_ref[c], b_ref[c, pl.ds(chunk - 1, 1), :], z_ref[c]
+    def load(c, slots):
+      return (x_ref.rows_at(slots), b_ref[c], b_ref[c, pl.ds(chunk - 1, 1), :],
+              z_ref.rows_at(slots))
+  else:
+    def load(c):
+      return x_ref[c], b_ref[c], b_ref[c, pl.ds(chunk - 1, 1), :], z_ref[c]
 
   def step(c, loaded, s):
     x, b, last, z = loaded
@@ -529,7 +562,7 @@ def _states_kernel(start_ref, count_ref, x_ref, b_ref, z_ref, init_ref, seq_ref,
     return jnp.exp(last).reshape(-1, 1) * s + local
 
   last_ref[...] = _walk(start_ref[seg], count_ref[seg], seq_ref.shape[0], reverse, load,
-                        step, init_ref[...].astype(jnp.float32), prefetch)
+                        step, init_ref[...].astype(jnp.float32), prefetch, index)
 
 
 def _output_kernel(valid_ref, q_ref, v_ref, b_ref, a_ref, h_ref, o_ref, *, dtype):
@@ -831,13 +864,14 @@ def _local(x, b, z, bs, interpret, to_end):
   bk, bv = bs.tiles(dk, dv)
   k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, i, j: (n, 0, hh, i))
   kernel = functools.partial(_local_kernel, chunk=c, dtype=x.dtype, to_end=to_end)
-  return pl.pallas_call(
+  return slot_rows.call(
       kernel, grid=(nc, h, dk // bk, dv // bv),
-      in_specs=[k_blk, k_blk, pl.BlockSpec((None, c, None, bv), lambda n, hh, i, j: (n, 0, hh, j))],
-      out_specs=pl.BlockSpec((None, None, bk, bv), lambda n, hh, i, j: (n, hh, i, j)),
-      out_shape=jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+      ins=[(x, k_blk), (b, k_blk),
+           (z, pl.BlockSpec((None, c, None, bv), lambda n, hh, i, j: (n, 0, hh, j)))],
+      outs=[(jax.ShapeDtypeStruct((nc, h, dk, dv), jnp.float32),
+             pl.BlockSpec((None, None, bk, bv), lambda n, hh, i, j: (n, hh, i, j)))],
       compiler_params=_params(bs), interpret=interpret, name="gla_local",
-  )(x, b, z)
+  )[0]
 
 
 def _longest_first(start, count, init, walk):
@@ -908,17 +942,15 @@ def _fused_states(x, b, z, init, start, count, bs, interpret, reverse):
   v_all = pl.BlockSpec((nc, c, None, bv), lambda i, j, hh, s: (0, 0, hh, j))
   kernel = functools.partial(_states_kernel, chunk=c, dtype=x.dtype, reverse=reverse,
                              prefetch=bs.prefetch)
-  call = pl.pallas_call(
+  outs = [(jax.ShapeDtypeStruct((nc, h, dk, dv), _seq_dtype(bs, x.dtype)), per_chunk),
+          (jax.ShapeDtypeStruct((zz, h, dk, dv), jnp.float32), state)]
+  call = lambda s0, n0, h0: slot_rows.call(
       kernel, grid=grid,
-      in_specs=[_whole(zz), _whole(zz), k_all, k_all, v_all, state],
-      out_specs=[per_chunk, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), _seq_dtype(bs, x.dtype)),
-                 jax.ShapeDtypeStruct((zz, h, dk, dv), jnp.float32)],
-      compiler_params=_params(bs), interpret=interpret,
-      name="gla_states_reverse" if reverse else "gla_states",
-  )
-  return _longest_first(start, count, init,
-                        lambda s0, n0, h0: call(s0, n0, x, b, z, h0))
+      ins=[(s0, _whole(zz)), (n0, _whole(zz)), (x, k_all), (b, k_all), (z, v_all),
+           (h0, state)],
+      outs=outs, compiler_params=_params(bs), interpret=interpret,
+      name="gla_states_reverse" if reverse else "gla_states")
+  return _longest_first(start, count, init, call)
 
 
 def _seq_dtype(bs: BlockSizes, dtype) -> jnp.dtype:
@@ -959,13 +991,12 @@ def _scores(q, k, g, bs, interpret):
                              span=bs.diag_matmul_span,
                              whole_chunk=_fits_whole_chunk(c, dk, c),
                              barrier=not interpret)
-  return pl.pallas_call(
-      kernel, grid=(nc, h), in_specs=[full_k, full_k, full_k],
-      out_specs=[pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)), full_k],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
-                 jax.ShapeDtypeStruct(g.shape, jnp.float32)],
-      compiler_params=_params(bs), interpret=interpret, name="gla_scores",
-  )(q, k, g)
+  return slot_rows.call(
+      kernel, grid=(nc, h), ins=[(q, full_k), (k, full_k), (g, full_k)],
+      outs=[(jax.ShapeDtypeStruct((nc, h, c, c), jnp.float32),
+             pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0))),
+            (jax.ShapeDtypeStruct(g.shape, jnp.float32), full_k)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_scores")
 
 
 def _value_tiled_specs(c, dk, dv, bs):
@@ -982,15 +1013,13 @@ def _outputs(q, v, b, a, h_start, valid, bs, interpret):
   dv = v.shape[-1]
   bv, full_k, v_blk = _value_tiled_specs(c, dk, dv, bs)
   kernel = functools.partial(_output_kernel, dtype=q.dtype)
-  return pl.pallas_call(
+  return slot_rows.call(
       kernel, grid=(nc, h, dv // bv),
-      in_specs=[_whole(nc), full_k, v_blk, full_k,
-                pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0)),
-                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))],
-      out_specs=v_blk,
-      out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
-      compiler_params=_params(bs), interpret=interpret, name="gla_outputs",
-  )(valid, q, v, b, a, h_start)
+      ins=[(valid, _whole(nc)), (q, full_k), (v, v_blk), (b, full_k),
+           (a, pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0))),
+           (h_start, pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)))],
+      outs=[(_like(v, v.shape[2:], v.dtype), v_blk)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_outputs")[0]
 
 
 def _dv(k, b, a, do, dh, valid, bs, interpret):
@@ -998,16 +1027,13 @@ def _dv(k, b, a, do, dh, valid, bs, interpret):
   dv = do.shape[-1]
   bv, full_k, v_blk = _value_tiled_specs(c, dk, dv, bs)
   kernel = functools.partial(_dv_kernel, chunk=c, dtype=k.dtype)
-  return pl.pallas_call(
+  return slot_rows.call(
       kernel, grid=(nc, h, dv // bv),
-      in_specs=[_whole(nc), full_k, full_k,
-                pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0)),
-                v_blk,
-                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))],
-      out_specs=v_blk,
-      out_shape=jax.ShapeDtypeStruct(do.shape, do.dtype),
-      compiler_params=_params(bs), interpret=interpret, name="gla_dv",
-  )(valid, k, b, a, do, dh)
+      ins=[(valid, _whole(nc)), (k, full_k), (b, full_k),
+           (a, pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0))),
+           (do, v_blk), (dh, pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)))],
+      outs=[(_like(do, do.shape[2:], do.dtype), v_blk)],
+      compiler_params=_params(bs), interpret=interpret, name="gla_dv")[0]
 
 
 def _output_scores(do, v):
@@ -1088,6 +1114,13 @@ def _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret):
                                                               do.dtype.itemsize))
     if bk_inter is not None:
       return _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret)
+  if isinstance(q, Slots):
+    # The fused kernel reads rows of v and do by sub-block and XLA sums its db: it runs
+    # on buffers built in XLA, its results taken back to the slots.
+    dq, dk_, dg = _dqkb(_buffer(q), _buffer(k), b, _buffer(v), _buffer(do), h_start, dh,
+                        valid, bs, interpret)
+    return (slot_rows.from_buffer(dq, q), slot_rows.from_buffer(dk_, k),
+            slot_rows.from_buffer(dg, q))
   bk, _ = bs.tiles(dk, dv)
   ns = c // SUB
   k_blk, sub_k, d_a = _sub_block_specs(c, bk)
@@ -1147,16 +1180,15 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
     k_blk = pl.BlockSpec((None, c, None, bk_inter), lambda n, hh, kk: (n, 0, hh, kk))
     state = pl.BlockSpec((None, None, bk_inter, dv), lambda n, hh, kk: (n, hh, kk, 0))
     kernel = functools.partial(_dqk_inter_kernel, chunk=c, dtype=q.dtype)
-    dq_inter, dk_inter, d_gamma = pl.pallas_call(
+    dq_inter, dk_inter, d_gamma = slot_rows.call(
         kernel, grid=(nc, h, dk // bk_inter),
-        in_specs=[_whole(nc), k_blk, k_blk, v_all, v_all, state, state],
-        out_specs=[k_blk, k_blk,
-                   pl.BlockSpec((None, None, 1, bk_inter), lambda n, hh, kk: (n, hh, 0, kk))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((nc, h, 1, dk), jnp.float32)],
-        compiler_params=_params(bs), interpret=interpret, name="gla_dqk_inter",
-    )(valid, k, b, v, do, h_start, dh)
+        ins=[(valid, _whole(nc)), (k, k_blk), (b, k_blk), (v, v_all), (do, v_all),
+             (h_start, state), (dh, state)],
+        outs=[(jax.ShapeDtypeStruct((nc, c, h, dk), jnp.float32), k_blk),
+              (jax.ShapeDtypeStruct((nc, c, h, dk), jnp.float32), k_blk),
+              (jax.ShapeDtypeStruct((nc, h, 1, dk), jnp.float32),
+               pl.BlockSpec((None, None, 1, bk_inter), lambda n, hh, kk: (n, hh, 0, kk)))],
+        compiler_params=_params(bs), interpret=interpret, name="gla_dqk_inter")
     k_blk = pl.BlockSpec((None, c, None, bk), lambda n, hh, kk: (n, 0, hh, kk))
     inter_specs = [pl.BlockSpec((None, None, 1, bk), lambda n, hh, kk: (n, hh, 0, kk)),
                    k_blk, k_blk]
@@ -1172,21 +1204,35 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
     scores_specs, scores_args = [v_all, v_all], (v, do)
   if not bs.intra_scores:
     scores_specs.append(pl.BlockSpec((None, None, c, c), lambda n, hh, kk: (n, hh, 0, 0)))
-    scores_args += (_output_scores(do, v),)
+    scores_args += (_output_scores(_buffer(do), _buffer(v)),)
   args = (valid, q, k, b, *scores_args, *inter_args)
+  specs = [_whole(nc), k_blk, k_blk, k_blk, *scores_specs, *inter_specs]
   # Each program reads rows of the inter terms before writing the same rows of dq / dk:
-  # the first kernel's buffers (the last two arguments) can be reused.
-  aliases = {} if inter_here else {len(args) - 2: 0, len(args) - 1: 1}
-  return pl.pallas_call(
-      kernel, grid=(nc, h, dk // bk),
-      in_specs=[_whole(nc), k_blk, k_blk, k_blk, *scores_specs, *inter_specs],
-      out_specs=[k_blk, k_blk, k_blk],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype if inter_here else jnp.float32),
-                 jax.ShapeDtypeStruct(k.shape, k.dtype if inter_here else jnp.float32),
-                 jax.ShapeDtypeStruct(b.shape, jnp.float32)],
+  # the first kernel's buffers (the last two arguments) can be reused, when dq and dk
+  # are buffers too.
+  slots = isinstance(q, Slots)
+  aliases = {} if inter_here or slots else {len(args) - 2: 0, len(args) - 1: 1}
+  trailing = (h, dk)
+  return slot_rows.call(
+      kernel, grid=(nc, h, dk // bk), ins=list(zip(args, specs)),
+      outs=[(_like(q, trailing, q.dtype if inter_here else jnp.float32), k_blk),
+            (_like(k, trailing, k.dtype if inter_here else jnp.float32), k_blk),
+            (_like(q, trailing, jnp.float32), k_blk)],
       input_output_aliases=aliases,
-      compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra",
-  )(*args)
+      compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra")
+
+
+def _like(x, trailing, dtype):
+  """The out_shape of a per-row result of operand x (a buffer [NC, C, ...] or Slots)
+  with rows of shape `trailing` in `dtype`: the same layout as x."""
+  if isinstance(x, Slots):
+    return x.like(trailing, dtype)
+  return jax.ShapeDtypeStruct(tuple(x.shape[:2]) + tuple(trailing), dtype)
+
+
+def _buffer(x):
+  """x as a buffer array [NC, C, ...]: built in XLA from Slots, else x itself."""
+  return slot_rows.to_buffer(x) if isinstance(x, Slots) else x
 
 
 # ----------------------------------------------------------------------------------
@@ -1258,12 +1304,28 @@ def _outputs_bwd(bs, interpret, res, cot):
   valid = _valid_chunks(start, count, q.shape[0])
   if h_start is None:
     h_start, _ = _states(k, v, b, h0, start, count, bs, interpret)
-  do = do.astype(v.dtype)
+  do = v.with_parts(do, v.dtype) if isinstance(v, Slots) else do.astype(v.dtype)
   dh, dh0 = _dstates(q, do, b, dfinal.astype(jnp.float32), start, count, bs, interpret)
   dv = _dv(k, b, a, do, dh, valid, bs, interpret)
   dq, dk, dg = _dqkb(q, k, b, v, do, h_start, dh, valid, bs, interpret)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg,
+  return (_cotangent(dq, q), _cotangent(dk, k), _cotangent(dv, v), _gate_cotangent(dg, q),
           dh0.astype(h0.dtype), None, None, None, None, None, None)
+
+
+def _cotangent(dx, x):
+  """dx as the cotangent of operand x: in x's dtype, or for Slots the Slots of its
+  parts, each in its part's dtype."""
+  if isinstance(x, Slots):
+    return Slots(tuple(d.astype(p.dtype) for d, p in zip(dx, x.parts)), None, x.chunk,
+                 x.dtype)
+  return dx.astype(x.dtype)
+
+
+def _gate_cotangent(dg, q):
+  """dg (fp32) as the cotangent of the gates, which are fp32 and laid out as q."""
+  if isinstance(q, Slots):
+    return Slots(tuple(dg), None, q.chunk, jnp.dtype(jnp.float32))
+  return dg
 
 
 _outputs_with_grads.defvjp(_outputs_fwd, _outputs_bwd)
@@ -1314,6 +1376,71 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
                    seg_start.astype(jnp.int32), seg_chunks.astype(jnp.int32),
                    block_sizes, interpret)
   return o.reshape((bsz, nc) + o.shape[1:]), final
+
+
+def chunk_gla_slots(q, k, v, g, take, h0, seg_start, seg_chunks, *, covered=None,
+                    block_sizes=None, interpret=None, storage_dtype=None):
+  """`chunk_gla` on slots that stay where they are (`slot_rows`): no buffer is built.
+
+  Args:
+    q, k, g: [P, H, Dk]; v: [P, H, Dv]; or each a tuple of parts [P_j, ...] (the same
+      sizes for all four) read as their concatenation. q already scaled.
+    take: int32 [NC * C]: the slot behind each row of the chunk buffer that chunk_gla
+      would take (each slot behind at most one row); >= P for a padding row.
+    h0, seg_start, seg_chunks: as chunk_gla's, over the NC chunks of take.
+    covered: bool [P] (or parts), False for a slot behind no row, whose output and
+      gradients are then zero; None: every slot is behind a row.
+    block_sizes, interpret, storage_dtype: as chunk_gla's (the chunk is
+      block_sizes.chunk; rows are cast to the storage dtype as they are loaded).
+  Returns:
+    o (like v: an array [P, H, Dv] or parts, in the storage dtype) and the final state
+    of each segment [Z, H, Dk, Dv] fp32.
+  """
+  one = not isinstance(q, (tuple, list))
+  parts = lambda x: (x,) if one else tuple(x)
+  q, k, v, g = map(parts, (q, k, v, g))
+  sizes = [tuple(x.shape[0] for x in xs) for xs in (q, k, v, g)]
+  if len(set(sizes)) != 1:
+    raise ValueError(f"q, k, v, g parts hold {sizes} slots: they must match")
+  block_sizes = block_sizes or BlockSizes()
+  c = block_sizes.chunk
+  block_sizes.tiles(q[0].shape[-1], v[0].shape[-1])
+  interpret = default_interpret() if interpret is None else interpret
+  dtype = jnp.dtype(storage_dtype or storage_dtype_for(q[0].dtype))
+  make = lambda xs, dt: slot_rows.make(xs, take, c, dt)
+  g = make(tuple(x.astype(jnp.float32) for x in g), jnp.float32)
+  if covered is not None:
+    covered = tuple(parts(covered))
+    q, k, v, g = (_masked_cotangent(x, covered) for x in (make(q, dtype), make(k, dtype),
+                                                         make(v, dtype), g))
+  else:
+    q, k, v = make(q, dtype), make(k, dtype), make(v, dtype)
+  o, final = _core(q, k, v, g, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
+                   seg_chunks.astype(jnp.int32), block_sizes, interpret)
+  if covered is not None:
+    o = tuple(jnp.where(m[:, None, None], x, jnp.zeros((), x.dtype))
+              for x, m in zip(o, covered))
+  return (o[0] if one else o), final
+
+
+@jax.custom_vjp
+def _masked_cotangent(x: Slots, covered):
+  """x itself; its cotangent is zeroed at the slots that are not covered (the kernels
+  write no gradient there: those rows of their outputs are never stored)."""
+  return x
+
+
+def _masked_cotangent_fwd(x, covered):
+  return x, covered
+
+
+def _masked_cotangent_bwd(covered, dx):
+  parts = tuple(jnp.where(m[:, None, None], d, jnp.zeros((), d.dtype))
+                for d, m in zip(dx.parts, covered))
+  return Slots(parts, None, dx.chunk, dx.dtype), None
+
+
+_masked_cotangent.defvjp(_masked_cotangent_fwd, _masked_cotangent_bwd)
 
 
 def reference(q, k, v, g, h0, seg_start, seg_chunks):

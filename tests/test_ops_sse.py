@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import chunk_gla as pallas_chunk_gla
 from sse_jax import ops
 from tests.op_testing import assert_close, random_qkvg, random_routing, x64
 
@@ -268,11 +269,16 @@ def test_no_tokens_keeps_the_initial_states(impl):
   np.testing.assert_array_equal(fs, h0s)
 
 
-@pytest.mark.parametrize("impl", ["masking", "varlen", "pallas_varlen"])
+@pytest.mark.parametrize("impl", ["masking", "varlen", "pallas_varlen", "in_place"])
 def test_out_of_range_ids_under_jit_are_ignored_alike(impl):
   """Under jit an id outside [0, N) cannot be checked (the caller's contract); every
   impl then ignores that selection, as the scan does, instead of varlen writing it into
-  another (sequence, partition) segment. B = 2: id N would be sequence 1's partition 0."""
+  another (sequence, partition) segment. B = 2: id N would be sequence 1's partition 0.
+  "in_place": pallas_varlen reading its slots in place (BlockSizes.gather_rows), where
+  an ignored slot is behind no row of the kernels and must still come out zero."""
+  if impl == "in_place":
+    impl = ops.Plan(ops.Algorithm.VARLEN, ops.PallasCore(
+        pallas_chunk_gla.BlockSizes(chunk=16, gather_rows=True)))
   n, b, t, h, d = 3, 2, 40, 1, 16
   x = random_qkvg(jax.random.PRNGKey(3), b, t, h, d, d)
   w = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(4), (b, t, n)), -1)

@@ -161,6 +161,41 @@ class TestPallasGPU:
     assert_close(o, o_ref, self.fp32_tol, "o")
     assert_close(final, ref, self.fp32_tol, "final")
 
+  @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+  def test_gather_rows_matches_scan(self, dtype):
+    """BlockSizes.gather_rows: the packed ops read their slots in place (no copies into
+    a buffer and back). Packed GLA (ragged, an empty sequence) and SSE varlen with the
+    shared partition (the routed and shared slots as two parts), fwd + bwd, against
+    the float64 scan."""
+    dtype = jnp.dtype(dtype)
+    b, t, h, d, n = 1, 90, 2, 16, 4
+    impl = lambda name: pallas(name, self.INTERPRET, chunk=32, gather_rows=True)
+    keys = jax.random.split(jax.random.PRNGKey(12), 9)
+    x = random_qkvg(keys[0], b, t, h, d, d, dtype)
+    cu = jnp.asarray((0, 20, 20, 90), jnp.int32)
+    h0 = jax.random.normal(keys[1], (3, h, d, d))
+    cot = (jax.random.normal(keys[2], (b, t, h, d)), jax.random.normal(keys[3], h0.shape))
+    (_, out), grads = _gla_value_and_grads(impl("chunk"), cu, 32, True)(*x, h0, cot)
+    with x64():
+      (_, ref), ref_grads = _gla_value_and_grads("scan", cu, 32, True)(
+          *_up(tuple(x), jnp.float64), _up(h0, jnp.float64), _up(cot, jnp.float64))
+    tol = self.fp32_tol if dtype == jnp.float32 else BF16_TOL
+    _compare(out, ref, tol, ("o", "final"))
+    _compare(grads, ref_grads, tol, ("dq", "dk", "dv", "dg", "dh0"))
+
+    w = random_routing(keys[4], b, t, n, 2, dtype)
+    shared = tuple(random_qkvg(keys[5], b, t, h, d, d, dtype))[:2] + (0.5 * x.g,)
+    h0 = (jax.random.normal(keys[6], (3, n, h, d, d)), jax.random.normal(keys[7], (3, h, d, d)))
+    cot = (cot[0], jax.random.normal(keys[8], h0[0].shape), h0[1])
+    args = (*x, (w[0],), shared, h0, (w[1],), cot)
+    (_, out), grads = _sse_value_and_grads(impl("varlen"), n, cu, 32, "both", False)(*args)
+    with x64():
+      (_, ref), ref_grads = _sse_value_and_grads("scan", n, cu, 32, "both", False)(
+          *_up(args, jnp.float64))
+    _compare(out, ref, tol, ("o", "final", "final shared"))
+    _compare(grads, ref_grads, tol, ("dq", "dk", "dv", "dg", "dweights", "dq'", "dk'",
+                                     "dg'", "dh0", "dh0'"))
+
   @pytest.mark.parametrize("dk, dv", [(64, 128), (64, 64), (128, 128), (256, 256)])
   @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
   def test_head_dims(self, dk, dv, dtype):
@@ -353,6 +388,20 @@ def test_kernels_lower_for_cuda():
   # routed and shared slots as two parts: one move in per operand (reading both), one
   # out per part, so o out and dq, dk, dv, dg out take two each (13 + 5).
   assert moves == 31, f"expected 31 row moves, found {moves}"
+  # BlockSizes.gather_rows: the kernels read the slots in place; the same 12 kernels,
+  # no row moves.
+  gathering = lambda name: ops.Plan(ops.Algorithm(name), ops.PallasCore(
+      pallas_chunk_gla.BlockSizes(gather_rows=True), interpret=False))
+
+  def loss_in_place(q, k, v, g, w):
+    o1, _ = ops.gla(q, k, v, g, cu_seqlens=cu, impl=gathering("chunk"))
+    o2, _ = ops.sse(q, k, v, g, w, idx, num_partitions=4, cu_seqlens=cu,
+                    impl=gathering("varlen"), shared=(q, k, g))
+    return jnp.sum(o1.astype(jnp.float32)) + jnp.sum(o2.astype(jnp.float32))
+
+  counts = cuda_triton_kernels(jax.value_and_grad(loss_in_place, argnums=(0, 1, 2, 3, 4)),
+                               *x, w)
+  assert "move_rows" not in counts and sum(counts.values()) == 12, counts
   # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
   # pallas_call gains a grid dimension, and still lowers, as the same 12 calls.
   stack = lambda a: jnp.stack([a, a])

@@ -80,6 +80,14 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   nc = packing.max_chunks(p, z, chunk_size)
   layout = packing.chunk_layout(slot_segment, z, chunk_size, presorted, sorted_tail)
   rows = packing.drop_invalid(layout.rows, valid, nc * chunk_size)
+  in_place = getattr(core, "slots", None)
+  if in_place is not None:
+    # The kernels read the slots through the buffer's row table: no copies.
+    take = packing.slot_of_row(rows, nc * chunk_size)
+    covered = None if valid is None else packing.split_slots(valid, sizes)
+    o, final = in_place(q, k, v, g, take, h0, layout.seg_start, layout.seg_chunks,
+                        covered=covered)
+    return (o[0] if len(sizes) == 1 else o), final
 
   def to_buffer(x):
     x = packing.scatter_rows(x, rows, nc * chunk_size, move)

@@ -313,7 +313,29 @@ def core_fn(core: Core, qkv_dtype):
     case XlaCore():
       return chunked.chunk_gla
     case PallasCore(block_sizes=block_sizes, interpret=interpret):
-      return lambda *args: kernels.chunk_gla(*args, block_sizes=block_sizes,
-                                             interpret=interpret, storage_dtype=qkv_dtype)
+      return PallasChunkCore(block_sizes, interpret, jnp.dtype(qkv_dtype))
     case _:
       raise ValueError(f"unknown chunk core {core!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasChunkCore:
+  """`kernels.chunk_gla` with a core's static parameters bound: a chunk core (the
+  contract of `chunked.chunk_gla`) on packed buffers. `slots`: the same on slots that
+  stay in place (`kernels.chunk_gla_slots`), which the packed paths call instead of
+  copying rows into a buffer and back, when BlockSizes.gather_rows; else None."""
+
+  block_sizes: kernels.BlockSizes
+  interpret: bool
+  storage_dtype: jnp.dtype
+
+  def __call__(self, *args):
+    return kernels.chunk_gla(*args, block_sizes=self.block_sizes, interpret=self.interpret,
+                             storage_dtype=self.storage_dtype)
+
+  @property
+  def slots(self):
+    if not self.block_sizes.gather_rows:
+      return None
+    return functools.partial(kernels.chunk_gla_slots, block_sizes=self.block_sizes,
+                             interpret=self.interpret, storage_dtype=self.storage_dtype)

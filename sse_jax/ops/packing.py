@@ -132,8 +132,8 @@ def scatter_rows(x: Parts, rows: jax.Array, num_rows: int,
   filled from the parts directly, and their gradients come back as a tuple.
   move (static): the `RowMover` that copies them (and their cotangents back)."""
   parts = as_parts(x)
-  inverse = _split(rows, tuple(part.shape[0] for part in parts))
-  return _pack(parts, _slot_of_row(rows, num_rows), inverse, move)
+  inverse = split_slots(rows, tuple(part.shape[0] for part in parts))
+  return _pack(parts, slot_of_row(rows, num_rows), inverse, move)
 
 
 def gather_rows(buffer: jax.Array, rows: jax.Array, move: RowMover = take_rows,
@@ -141,13 +141,14 @@ def gather_rows(buffer: jax.Array, rows: jax.Array, move: RowMover = take_rows,
   """buffer[rows] [P, ...] for distinct rows: the inverse of `scatter_rows`. sizes
   (static): return the slots as a tuple of parts of these lengths (summing to P)
   instead, each copied out of the buffer directly."""
-  takes = _split(rows, (rows.shape[0],) if sizes is None else tuple(sizes))
-  out = _unpack(buffer, takes, _slot_of_row(rows, buffer.shape[0]), move)
+  takes = split_slots(rows, (rows.shape[0],) if sizes is None else tuple(sizes))
+  out = _unpack(buffer, takes, slot_of_row(rows, buffer.shape[0]), move)
   return out[0] if sizes is None else out
 
 
-def _split(rows: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
-  """rows [P] cut into parts of `sizes` slots (int32 slices: cheap beside the values)."""
+def split_slots(rows: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  """A per-slot array [P] (row numbers, flags) cut into parts of `sizes` slots (slices
+  of an int32 or bool vector: cheap beside the values)."""
   if sum(sizes) != rows.shape[0]:
     raise ValueError(f"sizes={sizes} must sum to the {rows.shape[0]} slots of rows")
   out, start = [], 0
@@ -157,7 +158,7 @@ def _split(rows: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
   return tuple(out)
 
 
-def _slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
+def slot_of_row(rows: jax.Array, num_rows: int) -> jax.Array:
   """int32 [num_rows]: the slot placed at each buffer row, or P for a padding row."""
   p = rows.shape[0]
   slots = jnp.full((num_rows,), p, jnp.int32).at[rows].set(
