@@ -73,6 +73,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels import chunk_gla as gla
+from pallas_kernels import slot_rows
+from pallas_kernels.slot_rows import Slots
 
 HEAD_DIMS = (16, 32, 64, 128)  # the head dims Dk, Dv these kernels support
 CHUNKS = (16, 32, 64)  # the chunk lengths they support (T is [C, C], one row per step)
@@ -123,6 +125,8 @@ class BlockSizes:
   gave wrong dq, dk, dg and dbeta at C = 64, D = 128 on an H200 (relative error 0.38;
   the tests pass with 2 warps at their small shapes); not measured with this kernel:
   keep 4 or more there.
+  gather_rows: the packed paths read their slots in place (`chunk_gdn_slots`, as
+  `chunk_gla.BlockSizes.gather_rows`): no row copies into the chunk buffer and back.
   """
 
   chunk: int = 64
@@ -144,6 +148,8 @@ class BlockSizes:
   prepare_block: int = 16
   split_grads: bool = True
   prefetch: bool = False
+  # Off until timed on a GPU, as chunk_gla's.
+  gather_rows: bool = False
 
   def __post_init__(self):
     if self.chunk not in CHUNKS:
@@ -339,8 +345,7 @@ def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref,
   seg = pl.program_id(2)
   acc = _acc(dtype)
 
-  def load(c):
-    return k_ref[c], w_ref[c], uu_ref[c], gc_ref[c]
+  load, index = slot_rows.walk_loads(k_ref, w_ref, uu_ref, gc_ref)
 
   def step(c, loaded, s):
     k, w, uu, gc = loaded
@@ -352,7 +357,7 @@ def _states_kernel(start_ref, count_ref, k_ref, w_ref, uu_ref, gc_ref, init_ref,
     return jnp.exp(gl) * s + _dot(k_end, u, _TN, dtype)
 
   last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], h_ref.shape[0], False, load,
-                            step, init_ref[...].astype(acc), prefetch
+                            step, init_ref[...].astype(acc), prefetch, index
                             ).astype(last_ref.dtype)
 
 
@@ -390,8 +395,7 @@ def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, p
   seg = pl.program_id(2)
   acc = _acc(dtype)
 
-  def load(c):
-    return q_ref[c], k_ref[c], w_ref[c], gc_ref[c], do_ref[c], pdo_ref[c]
+  load, index = slot_rows.walk_loads(q_ref, k_ref, w_ref, gc_ref, do_ref, pdo_ref)
 
   def step(c, loaded, ds):
     q, k, w, gc, do, pdo = loaded
@@ -406,7 +410,7 @@ def _dstates_kernel(start_ref, count_ref, q_ref, k_ref, w_ref, gc_ref, do_ref, p
             - _dot(w, du, _TN, dtype))
 
   last_ref[...] = gla._walk(start_ref[seg], count_ref[seg], dh_ref.shape[0], True, load,
-                            step, init_ref[...].astype(acc), prefetch
+                            step, init_ref[...].astype(acc), prefetch, index
                             ).astype(last_ref.dtype)
 
 
@@ -570,9 +574,11 @@ def _grads_tile_kernel(valid_ref, q_ref, k_ref, gc_ref, beta_ref, t_ref, u_ref, 
 # [NC, C, H]; T [NC, H, C, C]; states [NC | Z, H, Dk, Dv]; tables int32 [Z] / [NC].
 
 
-def _call(kernel, name, bs, interpret, **kw):
-  return pl.pallas_call(kernel, compiler_params=gla._params(bs), interpret=interpret,
-                        name=name, **kw)
+def _call(kernel, name, bs, interpret, *, grid, ins, outs):
+  """The kernel over `ins` / `outs` ((array or Slots, spec) pairs, `slot_rows.call`):
+  a list of its outputs."""
+  return slot_rows.call(kernel, grid=grid, ins=ins, outs=outs,
+                        compiler_params=gla._params(bs), interpret=interpret, name=name)
 
 
 def _prepare(k, v, g, beta, bs, interpret):
@@ -585,15 +591,13 @@ def _prepare(k, v, g, beta, bs, interpret):
   return _call(
       functools.partial(_prepare_kernel, dtype=k.dtype, split=bs.split_products,
                         block=min(bs.prepare_block, c)),
-      "gdn_prepare", bs, interpret,
-      grid=(nc, h), in_specs=[spec(dk), spec(dv), gate, gate],
-      out_specs=[gate, pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0)),
-                 spec(dk), spec(dv)],
-      out_shape=[jax.ShapeDtypeStruct(g.shape, acc),
-                 jax.ShapeDtypeStruct((nc, h, c, c), acc),
-                 jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
-  )(k, v, g, beta)
+      "gdn_prepare", bs, interpret, grid=(nc, h),
+      ins=[(k, spec(dk)), (v, spec(dv)), (g, gate), (beta, gate)],
+      outs=[(jax.ShapeDtypeStruct(g.shape, acc), gate),
+            (jax.ShapeDtypeStruct((nc, h, c, c), acc),
+             pl.BlockSpec((None, None, c, c), lambda n, hh: (n, hh, 0, 0))),
+            (jax.ShapeDtypeStruct(k.shape, k.dtype), spec(dk)),
+            (jax.ShapeDtypeStruct(v.shape, v.dtype), spec(dv))])
 
 
 def _walk_specs(nc, c, dk, bv):
@@ -627,14 +631,14 @@ def _states(k, w, uu, gc, h0, start, count, bs, interpret):
   bv = bs.walk_tile_v(dk, dv)
   state, per_chunk, keys, values, gates = _walk_specs(nc, c, dk, bv)
   whole = gla._whole(z)
-  call = _call(
+  call = lambda s0, n0, k, w, uu, gc, init: _call(
       functools.partial(_states_kernel, dtype=k.dtype, prefetch=bs.prefetch), "gdn_states",
-      bs.for_walks(), interpret,
-      grid=(dv // bv, h, z), in_specs=[whole, whole, keys, keys, values, gates, state],
-      out_specs=[per_chunk, values, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), k.dtype),
-                 jax.ShapeDtypeStruct(uu.shape, uu.dtype),
-                 jax.ShapeDtypeStruct(h0.shape, h0.dtype)])
+      bs.for_walks(), interpret, grid=(dv // bv, h, z),
+      ins=[(s0, whole), (n0, whole), (k, keys), (w, keys), (uu, values), (gc, gates),
+           (init, state)],
+      outs=[(jax.ShapeDtypeStruct((nc, h, dk, dv), k.dtype), per_chunk),
+            (jax.ShapeDtypeStruct(uu.shape, uu.dtype), values),
+            (jax.ShapeDtypeStruct(h0.shape, h0.dtype), state)])
   return _walk_longest_first(call, start, count, h0, k, w, uu, gc)
 
 
@@ -652,13 +656,15 @@ def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
   dv = u.shape[-1]
   bv = bs.tile_v(dk, dv)
   keys, values, gates = _tile_specs(c, dk, bv)
+  o_shape = (q.like(u.shape[2:], u.dtype) if isinstance(q, Slots)
+             else jax.ShapeDtypeStruct(u.shape, u.dtype))
   return _call(
       functools.partial(_output_kernel, dtype=q.dtype), "gdn_outputs", bs, interpret,
       grid=(nc, h, dv // bv),
-      in_specs=[gla._whole(nc), keys, keys, gates,
-                pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)), values],
-      out_specs=values, out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
-  )(valid, q, k, gc, h_start, u)
+      ins=[(valid, gla._whole(nc)), (q, keys), (k, keys), (gc, gates),
+           (h_start, pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))),
+           (u, values)],
+      outs=[(o_shape, values)])[0]
 
 
 def _local_du(q, k, gc, do, bs, interpret):
@@ -668,9 +674,9 @@ def _local_du(q, k, gc, do, bs, interpret):
   keys, values, gates = _tile_specs(c, dk, bv)
   return _call(
       functools.partial(_local_du_kernel, dtype=q.dtype), "gdn_local_du", bs, interpret,
-      grid=(nc, h, do.shape[-1] // bv), in_specs=[keys, keys, gates, values],
-      out_specs=values, out_shape=jax.ShapeDtypeStruct(do.shape, _acc(q.dtype)),
-  )(q, k, gc, do)
+      grid=(nc, h, do.shape[-1] // bv),
+      ins=[(q, keys), (k, keys), (gc, gates), (do, values)],
+      outs=[(jax.ShapeDtypeStruct(do.shape, _acc(q.dtype)), values)])[0]
 
 
 def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
@@ -684,15 +690,14 @@ def _dstates(q, k, w, gc, do, dfinal, start, count, bs, interpret):
   whole = gla._whole(z)
   acc = _acc(q.dtype)
   pdo = _local_du(q, k, gc, do, bs, interpret)
-  call = _call(
+  call = lambda s0, n0, q, k, w, gc, do, pdo, init: _call(
       functools.partial(_dstates_kernel, dtype=q.dtype, prefetch=bs.prefetch),
-      "gdn_dstates", bs.for_walks(), interpret,
-      grid=(dv // bv, h, z),
-      in_specs=[whole, whole, keys, keys, keys, gates, values, values, state],
-      out_specs=[per_chunk, values, state],
-      out_shape=[jax.ShapeDtypeStruct((nc, h, dk, dv), q.dtype),
-                 jax.ShapeDtypeStruct(do.shape, acc),
-                 jax.ShapeDtypeStruct(dfinal.shape, acc)])
+      "gdn_dstates", bs.for_walks(), interpret, grid=(dv // bv, h, z),
+      ins=[(s0, whole), (n0, whole), (q, keys), (k, keys), (w, keys), (gc, gates),
+           (do, values), (pdo, values), (init, state)],
+      outs=[(jax.ShapeDtypeStruct((nc, h, dk, dv), q.dtype), per_chunk),
+            (jax.ShapeDtypeStruct(do.shape, acc), values),
+            (jax.ShapeDtypeStruct(dfinal.shape, acc), state)])
   return _walk_longest_first(call, start, count, dfinal, q, k, w, gc, do, pdo)
 
 
@@ -711,28 +716,28 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   gate = pl.BlockSpec((None, c, None), lambda n, hh, *_: (n, 0, hh))
   square = pl.BlockSpec((None, None, c, c), lambda n, hh, *_: (n, hh, 0, 0))
   state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
-  shape = lambda x, dtype=acc: jax.ShapeDtypeStruct(x.shape, dtype)
+  shape = lambda x, dtype=acc: (x.like(x.shape[2:], dtype) if isinstance(x, Slots)
+                                else jax.ShapeDtypeStruct(x.shape, dtype))
   if not bs.split_grads:
-    return _call(
+    return tuple(_call(
         functools.partial(_grads_kernel, block_k=bk, **kw), "gdn_grads", grads_bs,
         interpret, grid=(nc, h),
-        in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate, square,
-                  spec(dv), state, state, spec(dv), spec(dv)],
-        out_specs=[spec(dk), spec(dk), spec(dv), gate, gate],
-        out_shape=[shape(q, q.dtype), shape(k, k.dtype), shape(v, v.dtype), shape(gc),
-                   shape(gc)],
-    )(valid, q, k, v, gc, beta, inv, u, h_start, dh, do, du)
+        ins=list(zip((valid, q, k, v, gc, beta, inv, u, h_start, dh, do, du),
+                     (gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate, square,
+                      spec(dv), state, state, spec(dv), spec(dv)))),
+        outs=[(shape(q, q.dtype), spec(dk)), (shape(k, k.dtype), spec(dk)),
+              (shape(v, v.dtype), spec(dv)), (shape(gc), gate), (shape(gc), gate)]))
   # dP o D and M are only read as bf16 products unless split_products: stored so.
   square_dtype = acc if bs.split_products else q.dtype
   square_shape = jax.ShapeDtypeStruct((nc, h, c, c), square_dtype)
   grad_v, dp, m, dbeta, dgc = _call(
       functools.partial(_grads_square_kernel, **kw), "gdn_grads_square", grads_bs,
       interpret, grid=(nc, h),
-      in_specs=[gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate, square,
-                spec(dv), state, spec(dv), spec(dv)],
-      out_specs=[spec(dv), square, square, gate, gate],
-      out_shape=[shape(v, v.dtype), square_shape, square_shape, shape(gc), shape(gc)],
-  )(valid, q, k, v, gc, beta, inv, u, h_start, do, du)
+      ins=list(zip((valid, q, k, v, gc, beta, inv, u, h_start, do, du),
+                   (gla._whole(nc), spec(dk), spec(dk), spec(dv), gate, gate, square,
+                    spec(dv), state, spec(dv), spec(dv)))),
+      outs=[(shape(v, v.dtype), spec(dv)), (square_shape, square), (square_shape, square),
+            (shape(gc), gate), (shape(gc), gate)])
   keys = pl.BlockSpec((None, c, None, bk), lambda n, hh, i: (n, 0, hh, i))
   rows = pl.BlockSpec((None, None, bk, dv), lambda n, hh, i: (n, hh, i, 0))
   part = pl.BlockSpec((None, None, c, None), lambda n, hh, i: (i, n, 0, hh))
@@ -740,11 +745,11 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   grad_q, grad_k, dbeta_k, dgc_k = _call(
       functools.partial(_grads_tile_kernel, **kw), "gdn_grads_tiles", grads_bs, interpret,
       grid=(nc, h, dk // bk),
-      in_specs=[gla._whole(nc), keys, keys, gate, gate, square, spec(dv), rows, rows,
-                spec(dv), spec(dv), square, square],
-      out_specs=[keys, keys, part, part],
-      out_shape=[shape(q, q.dtype), shape(k, k.dtype), parts, parts],
-  )(valid, q, k, gc, beta, inv, u, h_start, dh, do, du, dp, m)
+      ins=list(zip((valid, q, k, gc, beta, inv, u, h_start, dh, do, du, dp, m),
+                   (gla._whole(nc), keys, keys, gate, gate, square, spec(dv), rows, rows,
+                    spec(dv), spec(dv), square, square))),
+      outs=[(shape(q, q.dtype), keys), (shape(k, k.dtype), keys), (parts, part),
+            (parts, part)])
   dgc = dgc + jnp.sum(dgc_k, axis=0)
   return (grad_q, grad_k, grad_v, dbeta + jnp.sum(dbeta_k, axis=0),
           _suffix_sums(dgc, axis=1))
@@ -796,11 +801,13 @@ def _outputs_bwd(bs, interpret, res, cot):
   q, k, v, beta, gc, inv, w, u, h_start, h0, start, count = res
   do, dfinal = cot
   valid = gla._valid_chunks(start, count, q.shape[0])
-  do = do.astype(v.dtype)
+  do = v.with_parts(do, v.dtype) if isinstance(v, Slots) else do.astype(v.dtype)
   dh, du, dh0 = _dstates(q, k, w, gc, do, dfinal.astype(h0.dtype), start, count, bs,
                          interpret)
   dq, dk, dv, dbeta, dg = _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid,
                                  bs, interpret)
+  if isinstance(q, Slots):  # written in the parts' storage dtype: cast to theirs
+    dq, dk, dv = (gla._cotangent(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
   return (dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None,
           None, None, None, None, None, None)
 
@@ -851,6 +858,40 @@ def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks, *, block_sizes=None,
                    seg_start.astype(jnp.int32), seg_chunks.astype(jnp.int32),
                    block_sizes, interpret)
   return o.reshape((bsz, nc) + o.shape[1:]), final
+
+
+def chunk_gdn_slots(q, k, v, g, beta, take, h0, seg_start, seg_chunks, *, covered=None,
+                    block_sizes=None, interpret=None, storage_dtype=None):
+  """`chunk_gdn` on slots that stay where they are (`slot_rows`), as
+  `chunk_gla.chunk_gla_slots`: q, k [P, H, Dk], v [P, H, Dv], g, beta [P, H], or each
+  a tuple of parts; take int32 [NC * C], the slot behind each buffer row (>= P:
+  padding); covered: None or bool [P] (parts), False for a slot behind no row (zero
+  output and gradients). q, k, v are read in place; the gates, 1/D of a row of q,
+  are gathered into their [NC, C, H] buffers in XLA. Returns o (like v, in the storage
+  dtype) and the final state of each segment."""
+  one = not isinstance(q, (tuple, list))
+  parts = lambda x: (x,) if one else tuple(x)
+  q, k, v, g, beta = map(parts, (q, k, v, g, beta))
+  sizes = [tuple(x.shape[0] for x in xs) for xs in (q, k, v, g, beta)]
+  if len(set(sizes)) != 1:
+    raise ValueError(f"q, k, v, g, beta parts hold {sizes} slots: they must match")
+  block_sizes = block_sizes or BlockSizes()
+  c = block_sizes.chunk
+  block_sizes.tile_v(q[0].shape[-1], v[0].shape[-1])
+  interpret = gla.default_interpret() if interpret is None else interpret
+  dtype = jnp.dtype(storage_dtype or storage_dtype_for(q[0].dtype))
+  acc = _acc(dtype)
+  q, k, v = (slot_rows.make(x, take, c, dtype) for x in (q, k, v))
+  g, beta = (slot_rows.to_buffer(slot_rows.make(tuple(p.astype(acc) for p in x), take, c))
+             for x in (g, beta))
+  if covered is not None:
+    covered = parts(covered)
+    q, k, v = (slot_rows.zero_uncovered_grads(x, covered) for x in (q, k, v))
+  o, final = _core(q, k, v, g, beta, h0.astype(acc), seg_start.astype(jnp.int32),
+                   seg_chunks.astype(jnp.int32), block_sizes, interpret)
+  if covered is not None:
+    o = slot_rows.zero_uncovered(o, covered)
+  return (o[0] if one else o), final
 
 
 def reference(q, k, v, g, beta, h0, seg_start, seg_chunks):

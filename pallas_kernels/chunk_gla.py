@@ -185,8 +185,8 @@ class BlockSizes:
   # 4.89 ms, SSE varlen N = 4 9.16 -> 8.07 ms; the 125M SSE model's training step at
   # T = 32K 166.7 -> 159.5 ms (results/bench_ops/inter_in_intra_h100).
   inter_in_intra: bool = True
-  # Off until timed on a GPU: 13 row copies fewer per fwd + bwd of dense GLA with
-  # cu_seqlens (1.9 GiB at L = 32K, 8 heads of 128), 11 of SSE varlen.
+  # Off until timed on a GPU: 13 row copies fewer per fwd + bwd of GLA with cu_seqlens
+  # (1.9 GiB at L = 32K, 8 heads of 128), 18 of SSE varlen with the shared partition.
   gather_rows: bool = False
 
   def __post_init__(self):
@@ -477,7 +477,8 @@ def _walk(start, count, nc, reverse, load, step, init, prefetch=True, index=None
   prefetch past the last chunk is clamped to a valid chunk and never used), and with
   `index` the addresses of the chunk after it too, so that no step waits on two round
   trips in a row; that costs registers for a second copy of the inputs, so walks over
-  large tiles may do better leaving the loads in the step, to Triton's own pipelining.
+  large tiles may do better leaving the loads in the step, to Triton's own pipelining
+  (with `index`, the next chunk's addresses are still loaded a step ahead).
   """
   def chunk_at(n):
     n = jnp.minimum(n, count - 1)
@@ -487,9 +488,14 @@ def _walk(start, count, nc, reverse, load, step, init, prefetch=True, index=None
     at = lambda c: load(c)
   else:
     at = lambda c: load(c, index(c))
-  if not prefetch:
+  if not prefetch and index is None:
     return lax.fori_loop(0, count, lambda n, acc: step(chunk_at(n), at(chunk_at(n)), acc),
                          init)
+  if not prefetch:  # only the addresses a step ahead: a [C] vector, not the tiles
+    def body_addressed(n, carry):
+      where, acc = carry
+      return index(chunk_at(n + 1)), step(chunk_at(n), load(chunk_at(n), where), acc)
+    return lax.fori_loop(0, count, body_addressed, (index(chunk_at(0)), init))[1]
   if index is None:
     def body(n, carry):
       loaded, acc = carry
@@ -541,21 +547,14 @@ def _states_kernel(start_ref, count_ref, x_ref, b_ref, z_ref, init_ref, seq_ref,
   seq_ref [NC, BK, BV]; init_ref, last_ref [BK, BV].
   """
   seg = pl.program_id(3)  # the grid is (Dk tile, Dv tile, head, segment): _walk_grid
-  index = None
-  if isinstance(x_ref, slot_rows.SlotRef):
-    # x and z are slots of one table: the chunk's row addresses are loaded once, a step
-    # ahead of its rows (_walk).
-    index = x_ref.slots_of
+  load, index = slot_rows.walk_loads(x_ref, b_ref, z_ref)
 
-    def load(c, slots):
-      return (x_ref.rows_at(slots), b_ref[c], b_ref[c, pl.ds(chunk - 1, 1), :],
-              z_ref.rows_at(slots))
-  else:
-    def load(c):
-      return x_ref[c], b_ref[c], b_ref[c, pl.ds(chunk - 1, 1), :], z_ref[c]
+  def with_last(load):  # and the chunk's last row of b, Gamma: [1, BK]
+    return lambda c, *slots: (*load(c, *slots), b_ref[c, pl.ds(chunk - 1, 1), :])
+  load = with_last(load)
 
   def step(c, loaded, s):
-    x, b, last, z = loaded
+    x, b, z, last = loaded
     seq_ref[c] = s.astype(seq_ref.dtype)
     u = b if reverse else last - b
     local = _dot(x.astype(jnp.float32) * jnp.exp(u), z, _TN, dtype)
@@ -1409,38 +1408,17 @@ def chunk_gla_slots(q, k, v, g, take, h0, seg_start, seg_chunks, *, covered=None
   dtype = jnp.dtype(storage_dtype or storage_dtype_for(q[0].dtype))
   make = lambda xs, dt: slot_rows.make(xs, take, c, dt)
   g = make(tuple(x.astype(jnp.float32) for x in g), jnp.float32)
+  q, k, v = make(q, dtype), make(k, dtype), make(v, dtype)
   if covered is not None:
-    covered = tuple(parts(covered))
-    q, k, v, g = (_masked_cotangent(x, covered) for x in (make(q, dtype), make(k, dtype),
-                                                         make(v, dtype), g))
-  else:
-    q, k, v = make(q, dtype), make(k, dtype), make(v, dtype)
+    covered = parts(covered)
+    q, k, v, g = (slot_rows.zero_uncovered_grads(x, covered) for x in (q, k, v, g))
   o, final = _core(q, k, v, g, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
                    seg_chunks.astype(jnp.int32), block_sizes, interpret)
   if covered is not None:
-    o = tuple(jnp.where(m[:, None, None], x, jnp.zeros((), x.dtype))
-              for x, m in zip(o, covered))
+    o = slot_rows.zero_uncovered(o, covered)
   return (o[0] if one else o), final
 
 
-@jax.custom_vjp
-def _masked_cotangent(x: Slots, covered):
-  """x itself; its cotangent is zeroed at the slots that are not covered (the kernels
-  write no gradient there: those rows of their outputs are never stored)."""
-  return x
-
-
-def _masked_cotangent_fwd(x, covered):
-  return x, covered
-
-
-def _masked_cotangent_bwd(covered, dx):
-  parts = tuple(jnp.where(m[:, None, None], d, jnp.zeros((), d.dtype))
-                for d, m in zip(dx.parts, covered))
-  return Slots(parts, None, dx.chunk, dx.dtype), None
-
-
-_masked_cotangent.defvjp(_masked_cotangent_fwd, _masked_cotangent_bwd)
 
 
 def reference(q, k, v, g, h0, seg_start, seg_chunks):

@@ -112,6 +112,31 @@ def from_buffer(buffer: jax.Array, x: Slots) -> tuple[jax.Array, ...]:
   return tuple(out)
 
 
+def zero_uncovered(parts, covered) -> tuple[jax.Array, ...]:
+  """Per-slot results (parts [P_j, ...]) with the slots that are not covered (bool
+  parts [P_j]: False for a slot behind no row, whose rows no kernel writes) set to 0."""
+  return tuple(jnp.where(m.reshape(m.shape + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+               for x, m in zip(parts, covered))
+
+
+@jax.custom_vjp
+def zero_uncovered_grads(x: Slots, covered) -> Slots:
+  """x itself; its cotangent is zeroed at the slots that are not covered (the kernels
+  write no gradient there)."""
+  return x
+
+
+def _zero_uncovered_grads_fwd(x, covered):
+  return x, covered
+
+
+def _zero_uncovered_grads_bwd(covered, dx):
+  return Slots(zero_uncovered(dx.parts, covered), None, dx.chunk, dx.dtype), None
+
+
+zero_uncovered_grads.defvjp(_zero_uncovered_grads_fwd, _zero_uncovered_grads_bwd)
+
+
 class SlotRef:
   """In a kernel: the rows of one chunk (`index` given) or of all chunks of a Slots
   operand, for one head and one block of columns, read and written like the buffer
@@ -137,6 +162,8 @@ class SlotRef:
       return idx, 0, self._chunk, 0, self.shape[-1]
     if idx is Ellipsis:
       idx = (slice(None), slice(None))
+    elif not isinstance(idx, tuple):  # x[rows]: all columns
+      idx = (idx, slice(None))
     rows, cols = idx
     r0, nr = _span(rows, self._chunk)
     c0, ncol = _span(cols, self.shape[-1])
@@ -184,6 +211,20 @@ class SlotRef:
       dst = jnp.where(inside, local[:, None], size)
       plgpu.store(part.at[dst, col], jnp.broadcast_to(value, (nr, ncol)).astype(part.dtype),
                   mask=jnp.broadcast_to(inside, (nr, ncol)))
+
+
+def walk_loads(*refs):
+  """(load, index) for a walk over chunks that reads ref[c] of each ref (`_walk` in
+  chunk_gla): load(c) -> the tuple, index None; or, where some refs are SlotRefs (of one
+  table, as a kernel's slot operands are), index(c) -> the chunk's slots and
+  load(c, slots) -> the tuple, so that the walk loads a chunk's addresses a step ahead."""
+  slot_refs = [r for r in refs if isinstance(r, SlotRef)]
+  if not slot_refs:
+    return (lambda c: tuple(r[c] for r in refs)), None
+
+  def load(c, slots):
+    return tuple(r.rows_at(slots) if isinstance(r, SlotRef) else r[c] for r in refs)
+  return load, slot_refs[0].slots_of
 
 
 def _span(index, size: int) -> tuple:

@@ -125,6 +125,10 @@ class TestPallasGdnGPU:
        dict(grads_block_k=D, grads_block_v=D)),     # (the default), two Dk tiles
       (2, 21, None, 1.0, False, 2 * D, D,           # the same in bf16 ([C, C] terms
        dict(split_grads=True, grads_block_k=D)),    # kept in bf16)
+      (1, 40, (0, 7, 7, 40), 2.0, True, D, D,       # packed slots read in place
+       dict(gather_rows=True)),
+      (1, 40, (0, 7, 7, 40), 2.0, False, 2 * D, 2 * D,  # the same in bf16, one
+       dict(gather_rows=True, split_grads=False, prefetch=True, walk_block_v=D)),
   ])
   def test_gdn_matches_scan(self, b, t, cu, beta_max, exact, dk, dv, blocks):
     s = b if cu is None else len(cu) - 1
@@ -148,6 +152,8 @@ class TestPallasGdnGPU:
       ("varlen", 3, 3, "read", False, None, True),             # K = N, dense batch
       ("masking", 3, 2, "none", True, None, True),
       ("varlen", 4, 1, "both", False, (0, 20, 34), False),     # bf16
+      # The routed and shared slots read in place (BlockSizes.gather_rows).
+      ("varlen_in_place", 3, 2, "both", True, (0, 9, 9, 34), True),
   ])
   def test_sse_gdn_matches_scan(self, impl, n, top_k, gate, read, cu, exact):
     b, t, h = (1, 34, 1) if cu is not None else (2, 19, 1)
@@ -167,7 +173,9 @@ class TestPallasGdnGPU:
       wide = self.EXACT if exact else jnp.float32
       args = (x, _up((w[0], rw[0]), wide), shared, _up(h0, wide), (w[1], rw[1]),
               _up(cot, wide))
-      (_, out), grads = _sse_value_and_grads(self.impl(impl), n, cu, gate, read)(*args)
+      plan = (self.impl("varlen", gather_rows=True) if impl == "varlen_in_place"
+              else self.impl(impl))
+      (_, out), grads = _sse_value_and_grads(plan, n, cu, gate, read)(*args)
       (_, ref), ref_grads = _sse_value_and_grads("scan", n, cu, gate, read)(
           *_up(args, jnp.float64))
     names = list(SSE_NAMES)
@@ -280,6 +288,10 @@ def test_kernels_lower_for_cuda(split_grads):
   # then the cotangents the other way (1 + 10), and q, k, v, beta into the buffer again
   # in the backward pass, which recomputes the packed copies instead of keeping them (4).
   assert moves == 22, f"expected 22 row moves, found {moves}"
+  # BlockSizes.gather_rows: the kernels read the slots in place, no row moves.
+  bs = kernels.BlockSizes(split_grads=split_grads, gather_rows=True)
+  counts = cuda_triton_kernels(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  assert "move_rows" not in counts and sum(counts.values()) == 6 + split_grads, counts
 
 
 def test_profile_gdn_variants_measures_time_and_error():

@@ -1,6 +1,6 @@
 """The chunk kernels reading their operands in place (`pallas_kernels.slot_rows`), in
-Pallas interpret mode: `chunk_gla_slots` against `chunk_gla` on the buffer that the
-same slots would be copied into. Interpret mode fills rows a kernel never writes with
+Pallas interpret mode: `chunk_gla_slots` and `chunk_gdn_slots` against `chunk_gla` and
+`chunk_gdn` on the buffer that the same slots would be copied into. Interpret mode fills rows a kernel never writes with
 NaN, so a slot left unwritten that the op should have zeroed shows up."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import chunk_gdn
 from pallas_kernels import chunk_gla
 from pallas_kernels import slot_rows
 from tests.op_testing import assert_close
@@ -127,6 +128,58 @@ def test_slots_in_place_equal_the_copied_buffer(fields, dtype):
   for name, a in zip(("o", "dq", "dk", "dv", "dg"), (out[0],) + grads[:4]):
     np.testing.assert_array_equal(np.asarray(a, np.float32)[~np.asarray(covered)], 0.0,
                                   err_msg=name)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(),
+    # The gradients as one kernel; the walks with their loads prefetched.
+    dict(split_grads=False, prefetch=True),
+])
+def test_delta_rule_slots_in_place_equal_the_copied_buffer(fields):
+  """chunk_gdn_slots (two parts, three uncovered slots) against chunk_gdn on the
+  copied buffer: outputs, final states and the gradients w.r.t. q, k, v, g, beta, h0;
+  zero outputs and gradients at the uncovered slots."""
+  take, rows, start, count = _layout(LENGTHS, C)
+  p, z = rows.shape[0], len(LENGTHS)
+  q, k, v, _, h0, cot = _inputs(p, z)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  keys = jax.random.split(jax.random.PRNGKey(7), 2)
+  g = -0.2 * jnp.abs(jax.random.normal(keys[0], (p, 1)))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[1], (p, 1)))
+  covered = _covered(p)
+  nc = take.shape[0] // C
+  bs = chunk_gdn.BlockSizes(chunk=C, **fields)
+  halves = lambda x: (x[:30], x[30:])
+
+  def in_place(q, k, v, g, beta, h0):
+    o, final = chunk_gdn.chunk_gdn_slots(
+        *map(halves, (q, k, v, g, beta)), _without_uncovered(take, covered), h0, start,
+        count, covered=halves(covered), block_sizes=bs, interpret=True)
+    return jnp.concatenate(o), final
+
+  def copied(q, k, v, g, beta, h0):
+    m = lambda x: jnp.where(covered.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+    buf = lambda x: slot_rows.to_buffer(slot_rows.make(m(x), take, C)).reshape(
+        (1, nc, C) + x.shape[1:])
+    o, final = chunk_gdn.chunk_gdn(*map(buf, (q, k, v, g, beta)), h0, start, count,
+                                   block_sizes=bs, interpret=True)
+    return m(o.reshape((nc * C,) + o.shape[3:])[rows]), final
+
+  def run(fn):
+    def loss(*x):
+      o, final = fn(*x)
+      return jnp.sum(o * cot) + jnp.sum(0.3 * final), (o, final)
+    return jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)(
+        q, k, v, g, beta, h0)
+  (_, out), grads = run(in_place)
+  (_, ref), ref_grads = run(copied)
+  names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+  for name, a, r in zip(names, jax.tree_util.tree_leaves((out, grads)),
+                        jax.tree_util.tree_leaves((ref, ref_grads))):
+    assert np.isfinite(np.asarray(a)).all(), name
+    assert_close(a, r, 1e-6, name)
+  for name, a in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (out[0],) + grads[:5]):
+    np.testing.assert_array_equal(np.asarray(a)[~np.asarray(covered)], 0.0, err_msg=name)
 
 
 def test_buffer_round_trip_and_refusals():

@@ -65,8 +65,8 @@ def core_fn(core, qkv_dtype):
     case impl_lib.XlaCore():
       return chunk_gdn
     case impl_lib.PallasCore(block_sizes=block_sizes, interpret=interpret):
-      return lambda *args: kernels.chunk_gdn(*args, block_sizes=block_sizes,
-                                             interpret=interpret, storage_dtype=qkv_dtype)
+      return impl_lib.pallas_chunk_core(kernels.chunk_gdn, kernels.chunk_gdn_slots,
+                                        block_sizes, interpret, qkv_dtype)
     case _:
       raise ValueError(f"unknown chunk core {core!r}")
 
@@ -282,6 +282,12 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
   layout = packing.chunk_layout(slot_segment, h0.shape[0], chunk_size, presorted,
                                 sorted_tail)
   places = packing.drop_invalid(layout.rows, valid, num_chunks * chunk_size)
+  in_place = getattr(core, "slots", None)
+  if in_place is not None:  # the kernels read the slots through the row table
+    covered = None if valid is None else packing.split_slots(valid, sizes)
+    o, final = in_place(*rows, packing.slot_of_row(places, num_chunks * chunk_size), h0,
+                        layout.seg_start, layout.seg_chunks, covered=covered)
+    return (o[0] if len(sizes) == 1 else o), final
   buffers = [packing.scatter_rows(x, places, num_chunks * chunk_size, move).reshape(
       (1, num_chunks, chunk_size) + x[0].shape[1:]) for x in rows]
   o, final = core(*buffers, h0, layout.seg_start, layout.seg_chunks)

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import functools
 import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -313,29 +314,30 @@ def core_fn(core: Core, qkv_dtype):
     case XlaCore():
       return chunked.chunk_gla
     case PallasCore(block_sizes=block_sizes, interpret=interpret):
-      return PallasChunkCore(block_sizes, interpret, jnp.dtype(qkv_dtype))
+      return pallas_chunk_core(kernels.chunk_gla, kernels.chunk_gla_slots, block_sizes,
+                               interpret, qkv_dtype)
     case _:
       raise ValueError(f"unknown chunk core {core!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class PallasChunkCore:
-  """`kernels.chunk_gla` with a core's static parameters bound: a chunk core (the
-  contract of `chunked.chunk_gla`) on packed buffers. `slots`: the same on slots that
-  stay in place (`kernels.chunk_gla_slots`), which the packed paths call instead of
-  copying rows into a buffer and back, when BlockSizes.gather_rows; else None."""
+  """A Pallas chunk core with its static parameters bound: called as a chunk core on
+  packed buffers (the contract of `chunked.chunk_gla`, or `gdn.chunk_gdn`'s); `slots`:
+  the same on slots that stay in place (`chunk_gla_slots` / `chunk_gdn_slots`, which
+  take the buffer's row table), which the packed paths call instead of copying rows
+  into a buffer and back; None unless the BlockSizes' `gather_rows`."""
 
-  block_sizes: kernels.BlockSizes
-  interpret: bool
-  storage_dtype: jnp.dtype
+  on_buffers: Callable
+  slots: Callable | None
 
   def __call__(self, *args):
-    return kernels.chunk_gla(*args, block_sizes=self.block_sizes, interpret=self.interpret,
-                             storage_dtype=self.storage_dtype)
+    return self.on_buffers(*args)
 
-  @property
-  def slots(self):
-    if not self.block_sizes.gather_rows:
-      return None
-    return functools.partial(kernels.chunk_gla_slots, block_sizes=self.block_sizes,
-                             interpret=self.interpret, storage_dtype=self.storage_dtype)
+
+def pallas_chunk_core(on_buffers, in_place, block_sizes, interpret, qkv_dtype):
+  """The PallasChunkCore of a kernel module's two entry points and static parameters."""
+  bound = lambda fn: functools.partial(fn, block_sizes=block_sizes, interpret=interpret,
+                                       storage_dtype=qkv_dtype)
+  return PallasChunkCore(bound(on_buffers),
+                         bound(in_place) if block_sizes.gather_rows else None)
