@@ -3,7 +3,8 @@
 #
 #     bash experiments/gpu_kernels.sh [OUT] [FLA_TIMEOUT_S] [STEPS]
 #
-# STEPS: a comma-separated subset of tests,profile,bench,trace,gdn [tests,profile,bench]. On
+# STEPS: a comma-separated subset of tests,profile,bench,trace,gdn,in_place
+# [tests,profile,bench]. On
 # an H200 with 16 CPU cores expect roughly 4 minutes for tests (PYTEST_WORKERS [4]
 # pytest workers: 45 tests, compile-bound; 8 workers ran 41 in 99 s, and each C = 128
 # block-size case compiles for 100-140 s), 3 for
@@ -25,6 +26,10 @@
 #    over the Fig. 6 grid with fla's `chunk_gated_delta_rule` and the authors' SSE-GDN op
 #    beside them (bench_fla --ops=gdn,sse_gdn), into OUT/gdn (~1 minute of tests on an
 #    H100, ~15 s of compiling per Pallas row, plus fla's autotuning).
+# 6. (in_place) the packed ops reading their slots in place (BlockSizes.gather_rows): the
+#    GPU test cases of that path, then bench_ops at L = 32K, N = 4 for GLA, SSE varlen, GDN
+#    and SSE-GDN varlen with the copied buffers and in place, side by side, into
+#    OUT/in_place/{copied,in_place} (~3 minutes on an H100).
 # Everything lands in OUT [results/bench_ops], with the logs test_pallas.log,
 # profile_kernels.log, bench.log and trace.log. Exits non-zero when a step failed.
 set -u
@@ -82,5 +87,24 @@ python3 -m experiments.bench_ops --lengths=32768,8192,2048 --partitions=4,8,16 \
     --time_fwd=false --fla_timeout="$FLA_TIMEOUT" --out="$OUT/gdn" \
     > "$OUT/gdn/bench.log" 2>&1 || FAILED="$FAILED gdn-bench"
 grep -E "^(gdn|sse_gdn|fla)" "$OUT/gdn/bench.log"
+fi
+if [[ $STEPS == *,in_place,* ]]; then
+mkdir -p "$OUT/in_place"
+XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rfE -p no:cacheprovider \
+    -n "${PYTEST_WORKERS:-4}" -k "gather_rows or in_place" \
+    tests/test_pallas.py::TestPallasGPU tests/test_pallas_gdn.py::TestPallasGdnGPU \
+    > "$OUT/in_place/test.log" 2>&1 || FAILED="$FAILED in_place-tests"
+echo "in_place tests: $(tail -n 1 "$OUT/in_place/test.log")"
+grep -E "^(FAILED|ERROR) " "$OUT/in_place/test.log" | cut -c1-400
+for layout in copied in_place; do
+  flag=$([ "$layout" = in_place ] && echo true || echo false)
+  python3 -m experiments.bench_ops --lengths=32768 --partitions=4 \
+      --gla_impls=pallas_chunk --sse_impls=pallas_varlen --gdn_impls=pallas_chunk \
+      --sse_gdn_impls=pallas_varlen --reps=10 --time_fwd=false --fla=false \
+      --block_sizes="gather_rows=$flag" --gdn_block_sizes="gather_rows=$flag" \
+      --out="$OUT/in_place/$layout" > "$OUT/in_place/$layout.log" 2>&1 \
+      || FAILED="$FAILED in_place-$layout"
+  echo "$layout:"; grep -E "^(gla|sse|gdn|sse_gdn) " "$OUT/in_place/$layout.log"
+done
 fi
 if [ -n "$FAILED" ]; then echo "failed:$FAILED (see the logs in $OUT)" >&2; exit 1; fi

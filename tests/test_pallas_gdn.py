@@ -125,10 +125,11 @@ class TestPallasGdnGPU:
        dict(grads_block_k=D, grads_block_v=D)),     # (the default), two Dk tiles
       (2, 21, None, 1.0, False, 2 * D, D,           # the same in bf16 ([C, C] terms
        dict(split_grads=True, grads_block_k=D)),    # kept in bf16)
-      (1, 40, (0, 7, 7, 40), 2.0, True, D, D,       # packed slots read in place
-       dict(gather_rows=True)),
-      (1, 40, (0, 7, 7, 40), 2.0, False, 2 * D, 2 * D,  # the same in bf16, one
-       dict(gather_rows=True, split_grads=False, prefetch=True, walk_block_v=D)),
+      pytest.param(1, 40, (0, 7, 7, 40), 2.0, True, D, D,  # packed slots read in
+                   dict(gather_rows=True), id="gather_rows"),  # place
+      pytest.param(1, 40, (0, 7, 7, 40), 2.0, False, 2 * D, 2 * D,  # the same in bf16,
+                   dict(gather_rows=True, split_grads=False, prefetch=True,  # one
+                        walk_block_v=D), id="gather_rows_bf16_one_grads_kernel"),
   ])
   def test_gdn_matches_scan(self, b, t, cu, beta_max, exact, dk, dv, blocks):
     s = b if cu is None else len(cu) - 1
