@@ -884,6 +884,12 @@ def chunk_gdn_slots(q, k, v, g, beta, take, h0, seg_start, seg_chunks, *, covere
   q, k, v = (slot_rows.make(x, take, c, dtype) for x in (q, k, v))
   g, beta = (slot_rows.to_buffer(slot_rows.make(tuple(p.astype(acc) for p in x), take, c))
              for x in (g, beta))
+  if not sum(q.sizes):  # no slots: all rows padding, which the buffer path runs
+    o, final = chunk_gdn(*(slot_rows.to_buffer(x)[None] for x in (q, k, v)), g[None],
+                         beta[None], h0, seg_start, seg_chunks, block_sizes=block_sizes,
+                         interpret=interpret, storage_dtype=dtype)
+    o = tuple(jnp.zeros((0,) + o.shape[3:], o.dtype) for _ in q.parts)
+    return (o[0] if one else o), final
   if covered is not None:
     covered = parts(covered)
     q, k, v = (slot_rows.zero_uncovered_grads(x, covered) for x in (q, k, v))

@@ -1409,6 +1409,12 @@ def chunk_gla_slots(q, k, v, g, take, h0, seg_start, seg_chunks, *, covered=None
   make = lambda xs, dt: slot_rows.make(xs, take, c, dt)
   g = make(tuple(x.astype(jnp.float32) for x in g), jnp.float32)
   q, k, v = make(q, dtype), make(k, dtype), make(v, dtype)
+  if not sum(q.sizes):  # no slots: all rows padding, which the buffer path runs
+    o, final = chunk_gla(*(slot_rows.to_buffer(x)[None] for x in (q, k, v, g)), h0,
+                         seg_start, seg_chunks, block_sizes=block_sizes,
+                         interpret=interpret, storage_dtype=dtype)
+    o = tuple(jnp.zeros((0,) + o.shape[3:], o.dtype) for _ in q.parts)
+    return (o[0] if one else o), final
   if covered is not None:
     covered = parts(covered)
     q, k, v, g = (slot_rows.zero_uncovered_grads(x, covered) for x in (q, k, v, g))

@@ -91,6 +91,8 @@ def to_buffer(x: Slots) -> jax.Array:
   """The buffer x stands for, [NC, C, H, D] in x.dtype, built in XLA (for the few
   places that need it whole: a batched XLA matmul over chunks)."""
   flat = jnp.concatenate(x.parts, axis=0) if len(x.parts) > 1 else x.parts[0]
+  if flat.shape[0] == 0:  # no slots: every row is padding
+    return jnp.zeros(x.shape, x.dtype)
   inside = (x.take >= 0) & (x.take < flat.shape[0])
   rows = jnp.take(flat, jnp.where(inside, x.take, 0), axis=0)
   rows = jnp.where(inside.reshape((-1,) + (1,) * (flat.ndim - 1)), rows, 0)
@@ -139,18 +141,14 @@ zero_uncovered_grads.defvjp(_zero_uncovered_grads_fwd, _zero_uncovered_grads_bwd
 
 class SlotRef:
   """In a kernel: the rows of one chunk (`index` given) or of all chunks of a Slots
-  operand, for one head and one block of columns, read and written like the buffer
-  block they stand for. take_ref: the whole table; parts: one ref [P_j, BD] per part."""
+  operand, for one head and one block of `cols` columns, read and written like the
+  buffer block they stand for. take_ref: the whole table; parts: one ref [P_j, BD] per
+  non-empty part, spans: each one's (first slot, slots) in the concatenation."""
 
-  def __init__(self, take_ref, parts, chunk: int, dtype, index=None):
-    self._take, self._parts, self._chunk, self._index = take_ref, tuple(parts), chunk, index
+  def __init__(self, take_ref, parts, spans, cols: int, chunk: int, dtype, index=None):
+    self._take, self._parts, self._spans = take_ref, tuple(parts), tuple(spans)
+    self._chunk, self._index = chunk, index
     self.dtype = jnp.dtype(dtype)
-    spans, first = [], 0
-    for part in self._parts:
-      spans.append((first, part.shape[0]))
-      first += part.shape[0]
-    self._spans = tuple(spans)
-    cols = self._parts[0].shape[-1]
     nc = take_ref.shape[0] // chunk
     self.shape = (chunk, cols) if index is not None else (nc, chunk, cols)
 
@@ -186,6 +184,8 @@ class SlotRef:
     return self._gather(self._slots(chunk, r0, nr), c0, ncol)
 
   def _gather(self, slot, c0, ncol):
+    if not self._parts:  # no slots at all: every row is padding
+      return jnp.zeros((slot.shape[0], ncol), self.dtype)
     col = c0 + lax.broadcasted_iota(jnp.int32, (1, ncol), 1)
     out = None
     for part, (first, size) in zip(self._parts, self._spans):
@@ -277,8 +277,8 @@ def call(kernel: Callable, *, grid: tuple[int, ...],
     if isinstance(x, Slots):
       in_layout.append((len(flat_args), x, spec))
       add_table(x.take)
-      flat_args.extend(x.parts)
-      in_specs.extend(_part_spec(spec, n) for n in x.sizes)
+      flat_args.extend(x.parts[j] for j, _ in _kept(x))
+      in_specs.extend(_part_spec(spec, n) for _, (_, n) in _kept(x))
     else:
       alias_pos[len(in_layout)] = len(flat_args)
       in_layout.append((len(flat_args), None, spec))
@@ -288,8 +288,8 @@ def call(kernel: Callable, *, grid: tuple[int, ...],
     if isinstance(template, Slots):  # its table rides along as one more input
       out_layout.append((len(out_shape), len(flat_args), template, spec))
       add_table(template.take)
-      out_shape.extend(template.parts)
-      out_specs.extend(_part_spec(spec, n) for n in template.sizes)
+      out_shape.extend(template.parts[j] for j, _ in _kept(template))
+      out_specs.extend(_part_spec(spec, n) for _, (_, n) in _kept(template))
     else:
       out_alias_pos[len(out_layout)] = len(out_shape)
       out_layout.append((len(out_shape), None, None, spec))
@@ -309,14 +309,12 @@ def call(kernel: Callable, *, grid: tuple[int, ...],
       if x is None:
         args.append(in_refs[start])
       else:
-        args.append(SlotRef(in_refs[start], in_refs[start + 1:start + 1 + len(x.parts)],
-                            x.chunk, x.dtype, _chunk_index(spec, rank)))
+        args.append(_slot_ref(in_refs[start], in_refs[start + 1:], x, spec, rank))
     for start, take_at, template, spec in out_layout:
       if template is None:
         args.append(out_refs[start])
       else:
-        args.append(SlotRef(in_refs[take_at], out_refs[start:start + len(template.parts)],
-                            template.chunk, template.dtype, _chunk_index(spec, rank)))
+        args.append(_slot_ref(in_refs[take_at], out_refs[start:], template, spec, rank))
     kernel(*args)
 
   flat_out = pl.pallas_call(flat_kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -326,6 +324,28 @@ def call(kernel: Callable, *, grid: tuple[int, ...],
   for start, _, template, _ in out_layout:
     if template is None:
       results.append(flat_out[start])
-    else:
-      results.append(tuple(flat_out[start:start + len(template.parts)]))
+      continue
+    parts, kept = list(flat_out[start:start + len(_kept(template))]), []
+    for part in template.parts:  # an empty part was no output: zero rows of it
+      kept.append(parts.pop(0) if part.shape[0] else jnp.zeros(part.shape, part.dtype))
+    results.append(tuple(kept))
   return results
+
+
+def _kept(x: Slots) -> list[tuple[int, tuple[int, int]]]:
+  """(part index, (first slot, slots)) of x's non-empty parts: an empty part holds no
+  slot that take could name, and a block of zero rows is no tile."""
+  kept, first = [], 0
+  for j, n in enumerate(x.sizes):
+    if n:
+      kept.append((j, (first, n)))
+    first += n
+  return kept
+
+
+def _slot_ref(take_ref, refs, x: Slots, spec: pl.BlockSpec, rank: int) -> SlotRef:
+  """The SlotRef of operand x over its table and the refs that start with its kept
+  parts' (spec: its buffer-layout BlockSpec)."""
+  kept = _kept(x)
+  return SlotRef(take_ref, refs[:len(kept)], [span for _, span in kept],
+                 spec.block_shape[3], x.chunk, x.dtype, _chunk_index(spec, rank))

@@ -200,3 +200,34 @@ def test_buffer_round_trip_and_refusals():
     slot_rows.make((x, x.astype(jnp.bfloat16)), take, C)
   with pytest.raises(ValueError, match="not whole chunks of 16 rows"):
     slot_rows.make(x, take[:-3], C)
+
+
+@pytest.mark.parametrize("kernels, gates", [(chunk_gla, 1), (chunk_gdn, 2)])
+def test_empty_parts_and_no_slots(kernels, gates):
+  """A part without slots (the shared part of no tokens, say) is no tile: the other
+  part's results are unchanged and the empty one's are empty. With no slots at all
+  every row is padding: the segments keep their initial states, whose gradient is the
+  final states' cotangent."""
+  take, rows, start, count = _layout(LENGTHS, C)
+  p, z = rows.shape[0], len(LENGTHS)
+  q, k, v, g, h0, _ = _inputs(p, z)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  x = (q, k, v, g) if gates == 1 else (q, k, v, -jnp.abs(g[..., 0]), jnp.abs(g[..., 0]))
+  bs = kernels.BlockSizes(chunk=C)
+  run = getattr(kernels, kernels.__name__.rsplit(".", 1)[1] + "_slots")
+  o, final = run(*x, take, h0, start, count, block_sizes=bs, interpret=True)
+  (o0, o1), final2 = run(*((a[:0], a) for a in x), take, h0, start, count,
+                         block_sizes=bs, interpret=True)
+  assert o0.shape == (0,) + o.shape[1:]
+  np.testing.assert_array_equal(o1, o)
+  np.testing.assert_array_equal(final2, final)
+
+  none = tuple(a[:0] for a in x)
+  padding = jnp.full_like(take, 0)  # out of range of zero slots: padding
+  loss = lambda h: jnp.sum(run(*none, padding, h, start, count, block_sizes=bs,
+                               interpret=True)[1])
+  o_none, final_none = run(*none, padding, h0, start, count, block_sizes=bs,
+                           interpret=True)
+  assert o_none.shape == (0,) + o.shape[1:]
+  np.testing.assert_allclose(final_none, h0, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(jax.grad(loss)(h0), np.ones(h0.shape), rtol=1e-6)
