@@ -388,6 +388,12 @@ def test_kernels_lower_for_cuda():
   # routed and shared slots as two parts: one move in per operand (reading both), one
   # out per part, so o out and dq, dk, dv, dg out take two each (13 + 5).
   assert moves == 31, f"expected 31 row moves, found {moves}"
+  # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
+  # pallas_call gains a grid dimension, and still lowers, as the same 12 calls.
+  stack = lambda a: jnp.stack([a, a])
+  calls = cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
+                             *map(stack, x), stack(w))
+  assert calls == 12, f"vmapped: expected 12 Triton kernel calls, found {calls}"
   # BlockSizes.gather_rows: the kernels read the slots in place; the same 12 kernels,
   # no row moves.
   gathering = lambda name: ops.Plan(ops.Algorithm(name), ops.PallasCore(
@@ -402,12 +408,11 @@ def test_kernels_lower_for_cuda():
   counts = cuda_triton_kernels(jax.value_and_grad(loss_in_place, argnums=(0, 1, 2, 3, 4)),
                                *x, w)
   assert "move_rows" not in counts and sum(counts.values()) == 12, counts
-  # Stacked training (sse_jax.train.stacked) vmaps the kernels over a run axis: each
-  # pallas_call gains a grid dimension, and still lowers, as the same 12 calls.
-  stack = lambda a: jnp.stack([a, a])
-  calls = cuda_triton_calls(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
-                             *map(stack, x), stack(w))
-  assert calls == 12, f"vmapped: expected 12 Triton kernel calls, found {calls}"
+  # ... and vmapped (each run its own routing, so its own row table).
+  calls = cuda_triton_calls(
+      jax.vmap(jax.value_and_grad(loss_in_place, argnums=(0, 1, 2, 3, 4))),
+      *map(stack, x), stack(w))
+  assert calls == 12, f"vmapped, in place: expected 12 Triton kernel calls, found {calls}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
   # (one more state walk in the backward), other tiles, dq/dk in two kernels (the inter
