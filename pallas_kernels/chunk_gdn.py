@@ -806,7 +806,7 @@ def _outputs_bwd(bs, interpret, res, cot):
                          interpret)
   dq, dk, dv, dbeta, dg = _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid,
                                  bs, interpret)
-  if isinstance(q, Slots):  # written in the parts' storage dtype: cast to theirs
+  if isinstance(q, Slots):  # written in the storage dtype: cast to each part's own
     dq, dk, dv = (gla._cotangent(d, x) for d, x in ((dq, q), (dk, k), (dv, v)))
   return (dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None,
           None, None, None, None, None, None)
@@ -891,7 +891,7 @@ def chunk_gdn_slots(q, k, v, g, beta, take, h0, seg_start, seg_chunks, *, covere
     o = tuple(jnp.zeros((0,) + o.shape[3:], o.dtype) for _ in q.parts)
     return (o[0] if one else o), final
   if covered is not None:
-    covered = parts(covered)
+    covered = slot_rows.split_like(covered, q)
     q, k, v = (slot_rows.zero_uncovered_grads(x, covered) for x in (q, k, v))
   o, final = _core(q, k, v, g, beta, h0.astype(acc), seg_start.astype(jnp.int32),
                    seg_chunks.astype(jnp.int32), block_sizes, interpret)

@@ -1416,7 +1416,7 @@ def chunk_gla_slots(q, k, v, g, take, h0, seg_start, seg_chunks, *, covered=None
     o = tuple(jnp.zeros((0,) + o.shape[3:], o.dtype) for _ in q.parts)
     return (o[0] if one else o), final
   if covered is not None:
-    covered = parts(covered)
+    covered = slot_rows.split_like(covered, q)
     q, k, v, g = (slot_rows.zero_uncovered_grads(x, covered) for x in (q, k, v, g))
   o, final = _core(q, k, v, g, h0.astype(jnp.float32), seg_start.astype(jnp.int32),
                    seg_chunks.astype(jnp.int32), block_sizes, interpret)

@@ -104,12 +104,31 @@ def from_buffer(buffer: jax.Array, x: Slots) -> tuple[jax.Array, ...]:
   behind some row; zero for the others), as parts of x's sizes, in XLA."""
   flat = buffer.reshape((-1,) + buffer.shape[2:])
   p = sum(x.sizes)
-  row_of = jnp.full((p,), flat.shape[0], jnp.int32).at[x.take].set(
+  # A padding row's entry (>= P, or < 0, which a scatter would wrap) is sent past the end.
+  take = jnp.where((x.take >= 0) & (x.take < p), x.take, p)
+  row_of = jnp.full((p,), flat.shape[0], jnp.int32).at[take].set(
       jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
   slots = jnp.take(flat, row_of, axis=0, mode="fill", fill_value=0)
   out, start = [], 0
   for n in x.sizes:
     out.append(slots[start:start + n])
+    start += n
+  return tuple(out)
+
+
+def split_like(covered, x: Slots) -> tuple[jax.Array, ...]:
+  """A per-slot flag, one bool array [P] or parts, as parts of x's sizes (checked)."""
+  if isinstance(covered, (tuple, list)):
+    sizes = tuple(m.shape[0] for m in covered)
+    if sizes != x.sizes:
+      raise ValueError(f"covered's parts hold {list(sizes)} slots, the operands' "
+                       f"{list(x.sizes)}: they must match")
+    return tuple(covered)
+  if covered.shape != (sum(x.sizes),):
+    raise ValueError(f"covered of shape {covered.shape} must be [{sum(x.sizes)}] (P)")
+  out, start = [], 0
+  for n in x.sizes:
+    out.append(covered[start:start + n])
     start += n
   return tuple(out)
 
@@ -234,16 +253,19 @@ def _span(index, size: int) -> tuple:
       raise NotImplementedError(f"SlotRef takes slice(None) or pl.ds, not {index}")
     return 0, size
   if isinstance(index, pl.Slice):
+    if index.stride != 1:
+      raise NotImplementedError(f"SlotRef takes unit-stride slices, not {index}")
     return index.start, index.size
   raise NotImplementedError(f"SlotRef takes slices, not {index!r}")
 
 
-def _part_spec(spec: pl.BlockSpec, rows: int) -> pl.BlockSpec:
+def _part_spec(spec: pl.BlockSpec, rows: int, chunk: int) -> pl.BlockSpec:
   """The spec of one part [P_j, H, D] standing for a buffer block (None | NC, C, None,
   BD) at index (n, 0, head, col): all its rows, the same head and column block."""
   block = tuple(spec.block_shape)
-  if len(block) != 4 or block[2] is not None:
-    raise ValueError(f"a Slots operand needs a (chunk, C, None, cols) block, got {block}")
+  if len(block) != 4 or block[1] != chunk or block[2] is not None:
+    raise ValueError(f"a Slots operand needs a (None or NC, C={chunk}, None, cols) block, "
+                     f"got {block}")
   index_map = spec.index_map
   return pl.BlockSpec((rows, None, block[3]),
                       lambda *ids: (0,) + tuple(index_map(*ids)[2:]))
@@ -251,11 +273,14 @@ def _part_spec(spec: pl.BlockSpec, rows: int) -> pl.BlockSpec:
 
 def _chunk_index(spec: pl.BlockSpec, grid_rank: int):
   """In a kernel: the chunk a one-chunk block holds (index_map's first entry at this
-  program), or None for a block of all chunks."""
-  if spec.block_shape[0] is not None:
-    return None
+  program), or None for a block of all chunks. The row block's index must be 0 (the
+  whole chunk): a SlotRef indexes rows within it."""
   ids = [pl.program_id(a) for a in range(grid_rank)]
-  return spec.index_map(*ids)[0]
+  index = spec.index_map(*ids)
+  if not (isinstance(index[1], int) and index[1] == 0):
+    raise ValueError(f"a Slots operand's block index must be (chunk, 0, head, col); its "
+                     f"row block index is {index[1]!r}")
+  return index[0] if spec.block_shape[0] is None else None
 
 
 def call(kernel: Callable, *, grid: tuple[int, ...],
@@ -278,7 +303,7 @@ def call(kernel: Callable, *, grid: tuple[int, ...],
       in_layout.append((len(flat_args), x, spec))
       add_table(x.take)
       flat_args.extend(x.parts[j] for j, _ in _kept(x))
-      in_specs.extend(_part_spec(spec, n) for _, (_, n) in _kept(x))
+      in_specs.extend(_part_spec(spec, n, x.chunk) for _, (_, n) in _kept(x))
     else:
       alias_pos[len(in_layout)] = len(flat_args)
       in_layout.append((len(flat_args), None, spec))
@@ -289,7 +314,7 @@ def call(kernel: Callable, *, grid: tuple[int, ...],
       out_layout.append((len(out_shape), len(flat_args), template, spec))
       add_table(template.take)
       out_shape.extend(template.parts[j] for j, _ in _kept(template))
-      out_specs.extend(_part_spec(spec, n) for _, (_, n) in _kept(template))
+      out_specs.extend(_part_spec(spec, n, template.chunk) for _, (_, n) in _kept(template))
     else:
       out_alias_pos[len(out_layout)] = len(out_shape)
       out_layout.append((len(out_shape), None, None, spec))

@@ -409,10 +409,10 @@ def test_kernels_lower_for_cuda():
                                *x, w)
   assert "move_rows" not in counts and sum(counts.values()) == 12, counts
   # ... and vmapped (each run its own routing, so its own row table).
-  calls = cuda_triton_calls(
+  counts = cuda_triton_kernels(
       jax.vmap(jax.value_and_grad(loss_in_place, argnums=(0, 1, 2, 3, 4))),
       *map(stack, x), stack(w))
-  assert calls == 12, f"vmapped, in place: expected 12 Triton kernel calls, found {calls}"
+  assert "move_rows" not in counts and sum(counts.values()) == 12, f"vmapped: {counts}"
 
   # Other BlockSizes change the kernels' code: unrolled diagonal loops, recomputed states
   # (one more state walk in the backward), other tiles, dq/dk in two kernels (the inter

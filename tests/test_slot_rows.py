@@ -111,11 +111,13 @@ def test_slots_in_place_equal_the_copied_buffer(fields, dtype):
   halves = lambda x: (x[:30], x[30:])
   bs = chunk_gla.BlockSizes(chunk=C, block_k=16, block_v=16, **fields)
 
+  # covered as parts, or as one [P] array (split as the operands are).
+  cov = covered if fields else halves(covered)
+
   def loss(q, k, v, g, h0):
     o, final = chunk_gla.chunk_gla_slots(
         halves(q), halves(k), halves(v), halves(g), _without_uncovered(take, covered), h0,
-        start, count,
-        covered=halves(covered), block_sizes=bs, interpret=True)
+        start, count, covered=cov, block_sizes=bs, interpret=True)
     o = jnp.concatenate(o)
     return jnp.sum(o.astype(jnp.float32) * cot) + jnp.sum(0.3 * final), (o, final)
   (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
@@ -196,6 +198,10 @@ def test_buffer_round_trip_and_refusals():
   np.testing.assert_array_equal(flat[padding], 0.0)
   back = slot_rows.from_buffer(buf, slots)
   np.testing.assert_array_equal(np.concatenate(back), x)
+  # A padding row may also be marked by a negative entry.
+  negative = jnp.where(take < rows.shape[0], take, -1)
+  np.testing.assert_array_equal(
+      np.concatenate(slot_rows.from_buffer(buf, slot_rows.make(x, negative, C))), x)
   with pytest.raises(ValueError, match="part 1 has rows"):
     slot_rows.make((x, x.astype(jnp.bfloat16)), take, C)
   with pytest.raises(ValueError, match="not whole chunks of 16 rows"):

@@ -292,8 +292,10 @@ def keep_kernel_residuals(fn, core: Core | None):
   slots gathered into chunk-aligned buffers, masked per-partition copies) that the
   kernels' backward reads. Kept, they are the largest part of an SSE layer's memory
   beyond a GLA layer's; recomputed in the backward pass from fn's inputs, they cost a
-  second pass of the packing, row copies and elementwise glue (no kernel reruns). The
-  XLA core's residuals carry no names, so under this policy its whole forward pass
+  second pass of the packing, row copies and elementwise glue (no kernel reruns); with
+  BlockSizes.gather_rows there are no buffers, and what is recomputed is the slots
+  themselves (routed copies of q, k and g, floored gates). The XLA core's residuals
+  carry no names, so under this policy its whole forward pass
   would run again: it keeps its residuals instead.
   """
   match core:
