@@ -185,8 +185,9 @@ class BlockSizes:
   # 4.89 ms, SSE varlen N = 4 9.16 -> 8.07 ms; the 125M SSE model's training step at
   # T = 32K 166.7 -> 159.5 ms (results/bench_ops/inter_in_intra_h100).
   inter_in_intra: bool = True
-  # Off until timed on a GPU: 13 row copies fewer per fwd + bwd of GLA with cu_seqlens
-  # (1.9 GiB at L = 32K, 8 heads of 128), 18 of SSE varlen with the shared partition.
+  # Off: on an H100 at L = 32K (results/bench_ops/in_place_h100) GLA with cu_seqlens
+  # 4.65 -> 3.91 ms, but SSE varlen (routed and shared slots, two parts) 8.27 -> 9.12 ms
+  # and the SSE model's step 161.4 -> 166.9 ms.
   gather_rows: bool = False
 
   def __post_init__(self):
