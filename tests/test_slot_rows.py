@@ -99,8 +99,6 @@ def _without_uncovered(take, covered):
     # dA from XLA's batched matmul; dq/dk in two kernels through fp32 buffers; states
     # walked again in the backward pass.
     (dict(intra_scores=False, inter_in_intra=False, recompute_states=True), "float32"),
-    # Parts cut between segments, declared so: each tile one load from its chunk's part.
-    (dict(by_chunk=True), "float32"),
 ])
 def test_slots_in_place_equal_the_copied_buffer(fields, dtype):
   """Outputs, final states and gradients of chunk_gla_slots (q, k, v, g as two parts;
@@ -110,18 +108,16 @@ def test_slots_in_place_equal_the_copied_buffer(fields, dtype):
   (_, ref), ref_grads = _buffer_reference(dtype)
   q, k, v, g, h0, cot = _inputs(rows.shape[0], len(LENGTHS), dtype=jnp.dtype(dtype))
   covered = _covered(rows.shape[0])
-  fields = dict(fields)
-  by_chunk = fields.pop("by_chunk", False)
-  cut = sum(LENGTHS[:2]) if by_chunk else 30  # between segments 1 and 2, or inside one
-  halves = lambda x: (x[:cut], x[cut:])
+  halves = lambda x: (x[:30], x[30:])
   bs = chunk_gla.BlockSizes(chunk=C, block_k=16, block_v=16, **fields)
+
   # covered as parts, or as one [P] array (split as the operands are).
   cov = covered if fields else halves(covered)
 
   def loss(q, k, v, g, h0):
     o, final = chunk_gla.chunk_gla_slots(
         halves(q), halves(k), halves(v), halves(g), _without_uncovered(take, covered), h0,
-        start, count, covered=cov, by_chunk=by_chunk, block_sizes=bs, interpret=True)
+        start, count, covered=cov, block_sizes=bs, interpret=True)
     o = jnp.concatenate(o)
     return jnp.sum(o.astype(jnp.float32) * cot) + jnp.sum(0.3 * final), (o, final)
   (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
