@@ -862,12 +862,12 @@ def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks, *, block_sizes=None,
 
 
 def chunk_gdn_slots(q, k, v, g, beta, take, h0, seg_start, seg_chunks, *, covered=None,
-                    by_chunk=False, block_sizes=None, interpret=None, storage_dtype=None):
+                    block_sizes=None, interpret=None, storage_dtype=None):
   """`chunk_gdn` on slots that stay where they are (`slot_rows`), as
   `chunk_gla.chunk_gla_slots`: q, k [P, H, Dk], v [P, H, Dv], g, beta [P, H], or each
   a tuple of parts; take int32 [NC * C], the slot behind each buffer row (>= P:
   padding); covered: None or bool [P] (parts), False for a slot behind no row (zero
-  output and gradients); by_chunk: as chunk_gla_slots'. q, k, v are read in place; the gates, 1/D of a row of q,
+  output and gradients). q, k, v are read in place; the gates, 1/D of a row of q,
   are gathered into their [NC, C, H] buffers in XLA. Returns o (like v, in the storage
   dtype) and the final state of each segment."""
   one = not isinstance(q, (tuple, list))
@@ -882,7 +882,7 @@ def chunk_gdn_slots(q, k, v, g, beta, take, h0, seg_start, seg_chunks, *, covere
   interpret = gla.default_interpret() if interpret is None else interpret
   dtype = jnp.dtype(storage_dtype or storage_dtype_for(q[0].dtype))
   acc = _acc(dtype)
-  q, k, v = (slot_rows.make(x, take, c, dtype, by_chunk) for x in (q, k, v))
+  q, k, v = (slot_rows.make(x, take, c, dtype) for x in (q, k, v))
   g, beta = (slot_rows.to_buffer(slot_rows.make(tuple(p.astype(acc) for p in x), take, c))
              for x in (g, beta))
   if not sum(q.sizes):  # no slots: all rows padding, which the buffer path runs

@@ -1317,14 +1317,14 @@ def _cotangent(dx, x):
   parts, each in its part's dtype."""
   if isinstance(x, Slots):
     return Slots(tuple(d.astype(p.dtype) for d, p in zip(dx, x.parts)), None, x.chunk,
-                 x.dtype, x.by_chunk)
+                 x.dtype)
   return dx.astype(x.dtype)
 
 
 def _gate_cotangent(dg, q):
   """dg (fp32) as the cotangent of the gates, which are fp32 and laid out as q."""
   if isinstance(q, Slots):
-    return Slots(tuple(dg), None, q.chunk, jnp.dtype(jnp.float32), q.by_chunk)
+    return Slots(tuple(dg), None, q.chunk, jnp.dtype(jnp.float32))
   return dg
 
 
@@ -1379,7 +1379,7 @@ def chunk_gla(q, k, v, g, h0, seg_start, seg_chunks, *, block_sizes=None,
 
 
 def chunk_gla_slots(q, k, v, g, take, h0, seg_start, seg_chunks, *, covered=None,
-                    by_chunk=False, block_sizes=None, interpret=None, storage_dtype=None):
+                    block_sizes=None, interpret=None, storage_dtype=None):
   """`chunk_gla` on slots that stay where they are (`slot_rows`): no buffer is built.
 
   Args:
@@ -1390,8 +1390,6 @@ def chunk_gla_slots(q, k, v, g, take, h0, seg_start, seg_chunks, *, covered=None
     h0, seg_start, seg_chunks: as chunk_gla's, over the NC chunks of take.
     covered: bool [P] (or parts), False for a slot behind no row, whose output and
       gradients are then zero; None: every slot is behind a row.
-    by_chunk (static): each chunk's slots lie in one part (no segment straddles parts):
-      a tile is then one load from that part (`slot_rows.Slots`).
     block_sizes, interpret, storage_dtype: as chunk_gla's (the chunk is
       block_sizes.chunk; rows are cast to the storage dtype as they are loaded).
   Returns:
@@ -1409,7 +1407,7 @@ def chunk_gla_slots(q, k, v, g, take, h0, seg_start, seg_chunks, *, covered=None
   block_sizes.tiles(q[0].shape[-1], v[0].shape[-1])
   interpret = default_interpret() if interpret is None else interpret
   dtype = jnp.dtype(storage_dtype or storage_dtype_for(q[0].dtype))
-  make = lambda xs, dt: slot_rows.make(xs, take, c, dt, by_chunk)
+  make = lambda xs, dt: slot_rows.make(xs, take, c, dt)
   g = make(tuple(x.astype(jnp.float32) for x in g), jnp.float32)
   q, k, v = make(q, dtype), make(k, dtype), make(v, dtype)
   if not sum(q.sizes):  # no slots: all rows padding, which the buffer path runs

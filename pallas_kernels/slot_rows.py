@@ -43,16 +43,13 @@ class Slots:
 
   parts: arrays [P_j, H, D] of one trailing shape and dtype; take: int32 [NC * C];
   chunk: C (static); dtype (static): the dtype the kernels read the rows in (a cast on
-  load), for outputs the parts' own dtype. by_chunk (static): the caller guarantees that
-  each chunk's slots lie in one part (segments never straddle parts), so that a tile is
-  one load from the part its chunk picks rather than a masked load from every part.
+  load), for outputs the parts' own dtype.
   """
 
   parts: tuple[jax.Array, ...]
   take: jax.Array
   chunk: int = dataclasses.field(metadata=dict(static=True))
   dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
-  by_chunk: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -66,17 +63,16 @@ class Slots:
   def with_parts(self, parts, dtype=None) -> "Slots":
     """The same rows of other parts (of the same sizes), e.g. an operand's gradient."""
     parts = tuple(parts)
-    return Slots(parts, self.take, self.chunk, jnp.dtype(dtype or parts[0].dtype),
-                 self.by_chunk)
+    return Slots(parts, self.take, self.chunk, jnp.dtype(dtype or parts[0].dtype))
 
   def like(self, trailing: tuple[int, ...], dtype) -> "Slots":
     """An output template: parts of these sizes with rows of shape `trailing` (as
     ShapeDtypeStructs), for `call`'s out_shape."""
     parts = tuple(jax.ShapeDtypeStruct((n,) + tuple(trailing), dtype) for n in self.sizes)
-    return Slots(parts, self.take, self.chunk, jnp.dtype(dtype), self.by_chunk)
+    return Slots(parts, self.take, self.chunk, jnp.dtype(dtype))
 
 
-def make(parts, take, chunk: int, dtype=None, by_chunk: bool = False) -> Slots:
+def make(parts, take, chunk: int, dtype=None) -> Slots:
   """Slots over `parts` (one array or a tuple), checked: one trailing shape and dtype,
   take of whole chunks."""
   parts = tuple(parts) if isinstance(parts, (tuple, list)) else (parts,)
@@ -88,8 +84,7 @@ def make(parts, take, chunk: int, dtype=None, by_chunk: bool = False) -> Slots:
                        f"{parts[0].shape[1:]} of {parts[0].dtype}: parts must match")
   if take.ndim != 1 or take.shape[0] % chunk:
     raise ValueError(f"take of shape {take.shape} is not whole chunks of {chunk} rows")
-  return Slots(parts, take.astype(jnp.int32), chunk, jnp.dtype(dtype or parts[0].dtype),
-               bool(by_chunk))
+  return Slots(parts, take.astype(jnp.int32), chunk, jnp.dtype(dtype or parts[0].dtype))
 
 
 def to_buffer(x: Slots) -> jax.Array:
@@ -157,8 +152,7 @@ def _zero_uncovered_grads_fwd(x, covered):
 
 
 def _zero_uncovered_grads_bwd(covered, dx):
-  return Slots(zero_uncovered(dx.parts, covered), None, dx.chunk, dx.dtype,
-               dx.by_chunk), None
+  return Slots(zero_uncovered(dx.parts, covered), None, dx.chunk, dx.dtype), None
 
 
 zero_uncovered_grads.defvjp(_zero_uncovered_grads_fwd, _zero_uncovered_grads_bwd)
@@ -170,10 +164,8 @@ class SlotRef:
   buffer block they stand for. take_ref: the whole table; parts: one ref [P_j, BD] per
   non-empty part, spans: each one's (first slot, slots) in the concatenation."""
 
-  def __init__(self, take_ref, parts, spans, cols: int, chunk: int, dtype, index=None,
-               by_chunk: bool = False):
+  def __init__(self, take_ref, parts, spans, cols: int, chunk: int, dtype, index=None):
     self._take, self._parts, self._spans = take_ref, tuple(parts), tuple(spans)
-    self._by_chunk = by_chunk and len(self._parts) > 1
     self._chunk, self._index = chunk, index
     self.dtype = jnp.dtype(dtype)
     nc = take_ref.shape[0] // chunk
@@ -210,36 +202,17 @@ class SlotRef:
     chunk, r0, nr, c0, ncol = self._where(idx)
     return self._gather(self._slots(chunk, r0, nr), c0, ncol)
 
-  def _part_of(self, slot):
-    """The part (an int32 scalar) that holds these rows' slots (by_chunk: all in one)."""
-    inside = (slot >= self._spans[0][0]) & (slot < sum(self._spans[-1]))
-    later = sum((slot >= first).astype(jnp.int32) for first, _ in self._spans[1:])
-    return jnp.max(jnp.where(inside, later, 0))
-
-  def _load_part(self, j, slot, col):
-    part, (first, size) = self._parts[j], self._spans[j]
-    local = slot - first
-    inside = ((local >= 0) & (local < size))[:, None]
-    # A masked-off row is never read; 0 keeps its address in range.
-    src = jnp.where(inside, local[:, None], 0)
-    return plgpu.load(part.at[src, col], mask=inside, other=0), inside
-
   def _gather(self, slot, c0, ncol):
     if not self._parts:  # no slots at all: every row is padding
       return jnp.zeros((slot.shape[0], ncol), self.dtype)
     col = c0 + lax.broadcasted_iota(jnp.int32, (1, ncol), 1)
-    if self._by_chunk:  # one load, from the part the rows lie in
-      which = self._part_of(slot)
-
-      def from_part(j):
-        load = lambda: self._load_part(j, slot, col)[0]
-        if j == len(self._parts) - 1:
-          return load()
-        return lax.cond(which == j, load, lambda: from_part(j + 1))
-      return from_part(0).astype(self.dtype)
     out = None
-    for j in range(len(self._parts)):
-      rows, inside = self._load_part(j, slot, col)
+    for part, (first, size) in zip(self._parts, self._spans):
+      local = slot - first
+      inside = ((local >= 0) & (local < size))[:, None]
+      # A masked-off row is never read; 0 keeps its address in range.
+      src = jnp.where(inside, local[:, None], 0)
+      rows = plgpu.load(part.at[src, col], mask=inside, other=0)
       # A select, not a sum, keeps every value's bits (-0.0 + 0.0 would be +0.0).
       out = rows if out is None else jnp.where(inside, rows, out)
     return out.astype(self.dtype)
@@ -248,22 +221,15 @@ class SlotRef:
     chunk, r0, nr, c0, ncol = self._where(idx)
     slot = self._slots(chunk, r0, nr)
     col = c0 + lax.broadcasted_iota(jnp.int32, (1, ncol), 1)
-    which = self._part_of(slot) if self._by_chunk else None
-    for j, (part, (first, size)) in enumerate(zip(self._parts, self._spans)):
-      def store(part=part, first=first, size=size):
-        local = slot - first
-        inside = ((local >= 0) & (local < size))[:, None]
-        # A masked-off row is never written. Its index is one past the part's end rather
-        # than 0: interpret mode stores by a scatter, where a duplicate in-range index
-        # would put the row's old value back over another program lane's write.
-        dst = jnp.where(inside, local[:, None], size)
-        plgpu.store(part.at[dst, col],
-                    jnp.broadcast_to(value, (nr, ncol)).astype(part.dtype),
-                    mask=jnp.broadcast_to(inside, (nr, ncol)))
-      if which is None:
-        store()
-      else:
-        pl.when(which == j)(store)
+    for part, (first, size) in zip(self._parts, self._spans):
+      local = slot - first
+      inside = ((local >= 0) & (local < size))[:, None]
+      # A masked-off row is never written. Its index is one past the part's end rather
+      # than 0: interpret mode stores by a scatter, where a duplicate in-range index
+      # would put the row's old value back over another program lane's write.
+      dst = jnp.where(inside, local[:, None], size)
+      plgpu.store(part.at[dst, col], jnp.broadcast_to(value, (nr, ncol)).astype(part.dtype),
+                  mask=jnp.broadcast_to(inside, (nr, ncol)))
 
 
 def walk_loads(*refs):
@@ -407,5 +373,4 @@ def _slot_ref(take_ref, refs, x: Slots, spec: pl.BlockSpec, rank: int) -> SlotRe
   parts' (spec: its buffer-layout BlockSpec)."""
   kept = _kept(x)
   return SlotRef(take_ref, refs[:len(kept)], [span for _, span in kept],
-                 spec.block_shape[3], x.chunk, x.dtype, _chunk_index(spec, rank),
-                 x.by_chunk)
+                 spec.block_shape[3], x.chunk, x.dtype, _chunk_index(spec, rank))

@@ -262,7 +262,7 @@ def chunk_gdn(q, k, v, g, beta, h0, seg_start, seg_chunks):
 def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = False,
                      sorted_tail: int = 0, core=chunk_gdn,
                      move: packing.RowMover = packing.take_rows,
-                     valid: jax.Array | None = None, segments_in_one_part: bool = False):
+                     valid: jax.Array | None = None):
   """`chunk_gdn` (or another chunk core) over slots grouped into segments (see
   `packing`).
 
@@ -271,9 +271,8 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
   without concatenating them; slot_segment int [P]; h0 [Z, H, Dk, Dv]; presorted,
   sorted_tail as in `packing.chunk_layout`; move: the row mover; valid: None or bool
   [P], slots that are not valid become zero rows, as in `gla.packed_chunked`. Padding
-  rows are zero: identities. segments_in_one_part: as `gla.packed_chunked`'s. Returns
-  o [P, H, Dv] (parts of the same lengths for parts) and the final state of every
-  segment [Z, H, Dk, Dv].
+  rows are zero: identities. Returns o [P, H, Dv] (parts of the same lengths for parts)
+  and the final state of every segment [Z, H, Dk, Dv].
   """
   q, k, v, g, beta = (packing.as_parts(x) for x in rows)
   sizes = packing.part_sizes(q=q, k=k, v=v, g=g, beta=beta)
@@ -287,8 +286,7 @@ def packed_chunk_gdn(rows, slot_segment, h0, chunk_size: int, presorted: bool = 
   if in_place is not None:  # the kernels read the slots through the row table
     covered = None if valid is None else packing.split_slots(valid, sizes)
     o, final = in_place(*rows, packing.slot_of_row(places, num_chunks * chunk_size), h0,
-                        layout.seg_start, layout.seg_chunks, covered=covered,
-                        by_chunk=segments_in_one_part)
+                        layout.seg_start, layout.seg_chunks, covered=covered)
     return (o[0] if len(sizes) == 1 else o), final
   buffers = [packing.scatter_rows(x, places, num_chunks * chunk_size, move).reshape(
       (1, num_chunks, chunk_size) + x[0].shape[1:]) for x in rows]

@@ -53,7 +53,7 @@ def dense_chunked(q, k, v, g, h0, chunk_size: int, core: ChunkCore = chunked.chu
 def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
                    core: ChunkCore = chunked.chunk_gla, presorted: bool = False,
                    sorted_tail: int = 0, move: packing.RowMover = packing.take_rows,
-                   valid: jax.Array | None = None, segments_in_one_part: bool = False):
+                   valid: jax.Array | None = None):
   """Chunked GLA over slots grouped into segments (see `packing`).
 
   q, k, g: [P, H, Dk]; v: [P, H, Dv], in time order within each segment;
@@ -63,11 +63,9 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
   (`packing.chunk_layout`). move: how slots are copied into the buffer and back.
   q, k, v and g may each be a tuple of parts (`packing.Parts`, the same part lengths
   for all four, P in all): the slots are packed from the parts without concatenating
-  them, and o comes back as parts of those lengths; segments_in_one_part (static): no
-  segment has slots in two parts (SSE's routed and shared slots), which lets a Pallas
-  core that reads the slots in place load each chunk from one part. valid: None or bool
-  [P]; a slot that is not valid keeps its place in its segment but as a zero row (an
-  identity: no write, no decay, no read), with zero output and zero gradients.
+  them, and o comes back as parts of those lengths. valid: None or bool [P]; a slot
+  that is not valid keeps its place in its segment but as a zero row (an identity: no
+  write, no decay, no read), with zero output and zero gradients.
   Returns o [P, H, Dv] and per-segment final states [Z, H, Dk, Dv] (an empty segment
   keeps its initial state).
   """
@@ -88,7 +86,7 @@ def packed_chunked(q, k, v, g, slot_segment, h0, chunk_size: int,
     take = packing.slot_of_row(rows, nc * chunk_size)
     covered = None if valid is None else packing.split_slots(valid, sizes)
     o, final = in_place(q, k, v, g, take, h0, layout.seg_start, layout.seg_chunks,
-                        covered=covered, by_chunk=segments_in_one_part)
+                        covered=covered)
     return (o[0] if len(sizes) == 1 else o), final
 
   def to_buffer(x):

@@ -155,7 +155,7 @@ def _varlen(q, k, v, g, beta, routing: Routing, n, h0, shared, h0_shared, cu_seq
     h0_table = jnp.concatenate([h0_table, h0_shared])
   o_s, finals = packed_chunk_gdn(slots, seg, h0_table, chunk_size,
                                  sorted_tail=0 if shared is None else b * t, core=core,
-                                 move=move, valid=valid, segments_in_one_part=True)
+                                 move=move, valid=valid)
   o_routed = o_s if shared is None else o_s[0]
   o = o_routed.reshape((b * t, per_token) + o_routed.shape[1:]).sum(axis=1)
   final, final0 = finals[:nseq * n].reshape(h0.shape), None

@@ -104,7 +104,7 @@ def varlen(q, k, v, g, routing, n, h0, shared, h0_shared, cu_seqlens, c, core, m
   # id, in time order) are already in segment order: only the routed ones are sorted.
   o_s, finals = gla_lib.packed_chunked(q_s, k_s, v_s, g_s, seg, h0_table, c, core,
                                        sorted_tail=0 if shared is None else b * t,
-                                       move=move, valid=valid, segments_in_one_part=True)
+                                       move=move, valid=valid)
   o_routed = o_s if shared is None else o_s[0]
   o = o_routed.reshape(b * t, per_token, h, -1).sum(axis=1)
   final = finals[:nseq * n].reshape(h0.shape)
