@@ -657,15 +657,13 @@ def _outputs(q, k, gc, h_start, u, valid, bs, interpret):
   dv = u.shape[-1]
   bv = bs.tile_v(dk, dv)
   keys, values, gates = _tile_specs(c, dk, bv)
-  o_shape = (q.like(u.shape[2:], u.dtype) if isinstance(q, Slots)
-             else jax.ShapeDtypeStruct(u.shape, u.dtype))
   return _call(
       functools.partial(_output_kernel, dtype=q.dtype), "gdn_outputs", bs, interpret,
       grid=(nc, h, dv // bv),
       ins=[(valid, gla._whole(nc)), (q, keys), (k, keys), (gc, gates),
            (h_start, pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j))),
            (u, values)],
-      outs=[(o_shape, values)])[0]
+      outs=[(slot_rows.like(q, u.shape[2:], u.dtype), values)])[0]
 
 
 def _local_du(q, k, gc, do, bs, interpret):
@@ -717,8 +715,7 @@ def _grads(q, k, v, gc, beta, inv, u, h_start, dh, do, du, valid, bs, interpret)
   gate = pl.BlockSpec((None, c, None), lambda n, hh, *_: (n, 0, hh))
   square = pl.BlockSpec((None, None, c, c), lambda n, hh, *_: (n, hh, 0, 0))
   state = pl.BlockSpec((None, None, dk, dv), lambda n, hh: (n, hh, 0, 0))
-  shape = lambda x, dtype=acc: (x.like(x.shape[2:], dtype) if isinstance(x, Slots)
-                                else jax.ShapeDtypeStruct(x.shape, dtype))
+  shape = lambda x, dtype=acc: slot_rows.like(x, x.shape[2:], dtype)
   if not bs.split_grads:
     return tuple(_call(
         functools.partial(_grads_kernel, block_k=bk, **kw), "gdn_grads", grads_bs,

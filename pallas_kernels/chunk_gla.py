@@ -1018,7 +1018,7 @@ def _outputs(q, v, b, a, h_start, valid, bs, interpret):
       ins=[(valid, _whole(nc)), (q, full_k), (v, v_blk), (b, full_k),
            (a, pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0))),
            (h_start, pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)))],
-      outs=[(_like(v, v.shape[2:], v.dtype), v_blk)],
+      outs=[(slot_rows.like(v, v.shape[2:], v.dtype), v_blk)],
       compiler_params=_params(bs), interpret=interpret, name="gla_outputs")[0]
 
 
@@ -1032,7 +1032,7 @@ def _dv(k, b, a, do, dh, valid, bs, interpret):
       ins=[(valid, _whole(nc)), (k, full_k), (b, full_k),
            (a, pl.BlockSpec((None, None, c, c), lambda n, hh, j: (n, hh, 0, 0))),
            (do, v_blk), (dh, pl.BlockSpec((None, None, dk, bv), lambda n, hh, j: (n, hh, 0, j)))],
-      outs=[(_like(do, do.shape[2:], do.dtype), v_blk)],
+      outs=[(slot_rows.like(do, do.shape[2:], do.dtype), v_blk)],
       compiler_params=_params(bs), interpret=interpret, name="gla_dv")[0]
 
 
@@ -1212,22 +1212,13 @@ def _dqkb_split(q, k, b, v, do, h_start, dh, valid, bs, bk_inter, interpret):
   # are buffers too.
   slots = isinstance(q, Slots)
   aliases = {} if inter_here or slots else {len(args) - 2: 0, len(args) - 1: 1}
-  trailing = (h, dk)
+  out = lambda x, dtype: (slot_rows.like(x, (h, dk), dtype), k_blk)
   return slot_rows.call(
       kernel, grid=(nc, h, dk // bk), ins=list(zip(args, specs)),
-      outs=[(_like(q, trailing, q.dtype if inter_here else jnp.float32), k_blk),
-            (_like(k, trailing, k.dtype if inter_here else jnp.float32), k_blk),
-            (_like(q, trailing, jnp.float32), k_blk)],
+      outs=[out(q, q.dtype if inter_here else jnp.float32),
+            out(k, k.dtype if inter_here else jnp.float32), out(q, jnp.float32)],
       input_output_aliases=aliases,
       compiler_params=_params(bs), interpret=interpret, name="gla_dqk_intra")
-
-
-def _like(x, trailing, dtype):
-  """The out_shape of a per-row result of operand x (a buffer [NC, C, ...] or Slots)
-  with rows of shape `trailing` in `dtype`: the same layout as x."""
-  if isinstance(x, Slots):
-    return x.like(trailing, dtype)
-  return jax.ShapeDtypeStruct(tuple(x.shape[:2]) + tuple(trailing), dtype)
 
 
 def _buffer(x):

@@ -35,6 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import move_rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +91,9 @@ def make(parts, take, chunk: int, dtype=None) -> Slots:
 
 def to_buffer(x: Slots) -> jax.Array:
   """The buffer x stands for, [NC, C, H, D] in x.dtype, built in XLA (for the few
-  places that need it whole: a batched XLA matmul over chunks)."""
-  flat = jnp.concatenate(x.parts, axis=0) if len(x.parts) > 1 else x.parts[0]
-  if flat.shape[0] == 0:  # no slots: every row is padding
-    return jnp.zeros(x.shape, x.dtype)
-  inside = (x.take >= 0) & (x.take < flat.shape[0])
-  rows = jnp.take(flat, jnp.where(inside, x.take, 0), axis=0)
-  rows = jnp.where(inside.reshape((-1,) + (1,) * (flat.ndim - 1)), rows, 0)
-  return rows.astype(x.dtype).reshape(x.shape)
+  places that need it whole: a batched XLA matmul over chunks): the row mover's XLA
+  reference, zeros at padding rows."""
+  return move_rows.reference(x.parts, x.take).astype(x.dtype).reshape(x.shape)
 
 
 def from_buffer(buffer: jax.Array, x: Slots) -> tuple[jax.Array, ...]:
@@ -108,12 +105,24 @@ def from_buffer(buffer: jax.Array, x: Slots) -> tuple[jax.Array, ...]:
   take = jnp.where((x.take >= 0) & (x.take < p), x.take, p)
   row_of = jnp.full((p,), flat.shape[0], jnp.int32).at[take].set(
       jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
-  slots = jnp.take(flat, row_of, axis=0, mode="fill", fill_value=0)
+  return _split(jnp.take(flat, row_of, axis=0, mode="fill", fill_value=0), x.sizes)
+
+
+def _split(a: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  """a [P, ...] cut along axis 0 into parts of `sizes` rows."""
   out, start = [], 0
-  for n in x.sizes:
-    out.append(slots[start:start + n])
+  for n in sizes:
+    out.append(a[start:start + n])
     start += n
   return tuple(out)
+
+
+def like(x, trailing: tuple[int, ...], dtype):
+  """The out_shape of a per-row result of operand x (a buffer [NC, C, ...] or Slots)
+  with rows of shape `trailing` in `dtype`, in x's layout."""
+  if isinstance(x, Slots):
+    return x.like(trailing, dtype)
+  return jax.ShapeDtypeStruct(tuple(x.shape[:2]) + tuple(trailing), dtype)
 
 
 def split_like(covered, x: Slots) -> tuple[jax.Array, ...]:
@@ -126,11 +135,7 @@ def split_like(covered, x: Slots) -> tuple[jax.Array, ...]:
     return tuple(covered)
   if covered.shape != (sum(x.sizes),):
     raise ValueError(f"covered of shape {covered.shape} must be [{sum(x.sizes)}] (P)")
-  out, start = [], 0
-  for n in x.sizes:
-    out.append(covered[start:start + n])
-    start += n
-  return tuple(out)
+  return _split(covered, x.sizes)
 
 
 def zero_uncovered(parts, covered) -> tuple[jax.Array, ...]:
